@@ -1,0 +1,177 @@
+"""The bus core: validated enqueue, claim, heartbeat, complete, fail-with-retry, and maintenance.
+
+It talks to the MessageStore port only; which database sits behind it is not its business.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from appliance.domain.envelope import (
+    DEFAULT_CONTEXT_MAX_BYTES,
+    EnqueueRequest,
+    EnqueueResult,
+    JSONValue,
+    Lane,
+    LeaseRef,
+    Message,
+    lease_duration_ok,
+)
+from appliance.domain.ports import (
+    AckOutcome,
+    BusStatus,
+    Completion,
+    ExpireLimits,
+    FailOutcome,
+    HeartbeatResult,
+    MessageStore,
+)
+from appliance.domain.retry import RetryPolicy
+
+ALL_LANES: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    """The rules the bus applies on top of the store."""
+
+    lease: timedelta = timedelta(seconds=30)
+    max_attempts: int = 5
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    context_max_bytes: int = DEFAULT_CONTEXT_MAX_BYTES
+    idempotency_retention: timedelta = timedelta(days=90)
+    max_queue_age: Mapping[Lane, timedelta | None] = field(default_factory=dict)
+    maintenance_batch: int = 500
+
+
+class Bus:
+    """The work bus API that the CLI, the runner and pipelines use."""
+
+    def __init__(
+        self, store: MessageStore, config: BusConfig | None = None, rng: random.Random | None = None
+    ) -> None:
+        self.store = store
+        self.config = config or BusConfig()
+        self._rng = rng or random.Random()
+
+    def request(self, **fields: Any) -> EnqueueRequest:
+        """Build and validate a request with this bus's defaults (max attempts, context limit)."""
+        fields.setdefault("max_attempts", self.config.max_attempts)
+        fields.setdefault("context_max_bytes", self.config.context_max_bytes)
+        return EnqueueRequest.build(**fields)
+
+    async def enqueue(self, *, now: datetime | None = None, **fields: Any) -> EnqueueResult:
+        """Enqueue one message (validated first); a duplicate key returns the existing id."""
+        request = self.request(now=now, **fields)
+        (result,) = await self.store.enqueue(
+            [request], retention=self.config.idempotency_retention, now=now
+        )
+        return result
+
+    async def enqueue_many(
+        self, requests: Sequence[EnqueueRequest], *, now: datetime | None = None
+    ) -> list[EnqueueResult]:
+        """Enqueue a validated batch atomically (all rows or none)."""
+        return await self.store.enqueue(
+            requests, retention=self.config.idempotency_retention, now=now
+        )
+
+    async def claim(
+        self,
+        worker: str,
+        *,
+        lanes: Sequence[Lane] = ALL_LANES,
+        limit: int = 1,
+        lease: timedelta | None = None,
+        tenant: str | None = None,
+        now: datetime | None = None,
+    ) -> list[Message]:
+        """Lease up to `limit` messages, strict by lane."""
+        return await self.store.claim(
+            worker=worker,
+            lanes=lanes,
+            limit=limit,
+            lease=lease_duration_ok(lease or self.config.lease),
+            tenant=tenant,
+            now=now,
+        )
+
+    async def heartbeat(
+        self, lease: LeaseRef, *, extend: timedelta | None = None, now: datetime | None = None
+    ) -> HeartbeatResult:
+        """Extend a lease; the answer tells a worker whose lease was lost or cancelled to stop."""
+        return await self.store.heartbeat(lease, extend=extend or self.config.lease, now=now)
+
+    async def complete(
+        self,
+        lease: LeaseRef,
+        result: JSONValue = None,
+        *,
+        actor: str = "worker",
+        now: datetime | None = None,
+    ) -> AckOutcome:
+        """Finish a message under its lease; a stale lease changes nothing (STALE)."""
+        (outcome,) = await self.store.complete([Completion(lease, result)], actor=actor, now=now)
+        return outcome
+
+    async def complete_many(
+        self,
+        completions: Sequence[Completion],
+        *,
+        actor: str = "worker",
+        now: datetime | None = None,
+    ) -> list[AckOutcome]:
+        """Batched acknowledgements: one statement, one flush."""
+        return await self.store.complete(completions, actor=actor, now=now)
+
+    async def fail(
+        self,
+        message: Message,
+        error: str,
+        *,
+        actor: str = "worker",
+        now: datetime | None = None,
+    ) -> FailOutcome:
+        """Fail the attempt of a claimed message: retry after backoff with jitter, or dead."""
+        delay = self.config.retry.delay(message.attempts, self._rng)
+        return await self.store.fail(
+            message.lease, error=error, retry_delay=delay, actor=actor, now=now
+        )
+
+    async def cancel(
+        self,
+        tenant: str,
+        message_id: int,
+        *,
+        reason: str = "cancelled",
+        actor: str = "operator",
+        now: datetime | None = None,
+    ) -> bool:
+        return await self.store.cancel(tenant, message_id, reason=reason, actor=actor, now=now)
+
+    async def expire(self, *, now: datetime | None = None) -> int:
+        limits = ExpireLimits(dict(self.config.max_queue_age))
+        return await self.store.expire(limits, batch=self.config.maintenance_batch, now=now)
+
+    async def reclaim(self, *, now: datetime | None = None) -> list[int]:
+        return await self.store.reclaim(batch=self.config.maintenance_batch, now=now)
+
+    async def redrive(
+        self,
+        tenant: str,
+        message_ids: Sequence[int] | None = None,
+        *,
+        actor: str = "operator",
+        now: datetime | None = None,
+    ) -> int:
+        return await self.store.redrive(tenant, message_ids, actor=actor, now=now)
+
+    async def get(self, tenant: str, message_id: int) -> Message | None:
+        return await self.store.get(tenant, message_id)
+
+    async def status(self, *, now: datetime | None = None) -> BusStatus:
+        return await self.store.status(now=now)

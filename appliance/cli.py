@@ -1,0 +1,314 @@
+"""The `appliance` command: database, tenants, submit, status and bus operations."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from appliance.db.database import client_argv
+from appliance.db.migrate import migrate
+from appliance.db.schema_dump import dump_schema
+from appliance.domain.envelope import WAITING, Lane, MessageStatus, decode_context
+from appliance.domain.errors import ApplianceError, InvalidInput
+from appliance.domain.ports import BusStatus
+from appliance.runtime import endpoints, local_cluster, pg_tool, services
+from appliance.settings import Settings
+
+
+def _parse_time(field: str, text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput(field, f"{text!r} is not an ISO 8601 time") from None
+    if moment.tzinfo is None:
+        raise InvalidInput(field, f"{text!r} has no time zone (add Z or +00:00)")
+    return moment
+
+
+def _read_context(text: str | None, max_bytes: int) -> Any:
+    if text is None:
+        return None
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise InvalidInput("context", f"cannot read {path}: {exc.strerror}") from None
+    return decode_context(text, max_bytes)
+
+
+# -- db ----------------------------------------------------------------------------------------
+
+
+def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
+    cluster = local_cluster(settings)
+    action = args.db_action
+    if action == "migrate":
+        report = migrate(endpoints(settings).admin)
+        print(
+            f"migrations: applied {report.applied or 'none'}; already applied {len(report.already)}"
+        )
+        return 0
+    if action == "dump-schema":
+        text = dump_schema(Path(pg_tool(settings, "pg_dump")), endpoints(settings).admin)
+        if args.output:
+            Path(args.output).write_text(text)
+        else:
+            sys.stdout.write(text)
+        return 0
+    if action == "psql":
+        ends = endpoints(settings)
+        conninfo = {"admin": ends.admin, "app": ends.app, "system": ends.system}[args.role]
+        argv = client_argv(pg_tool(settings, "psql"), conninfo)
+        env = dict(os.environ, PGOPTIONS="-c search_path=appliance,pg_catalog")
+        os.execvpe(argv[0], argv + list(args.psql_args), env)
+    if cluster is None:
+        print("database: external server (APPLIANCE_DATABASE_URL); the appliance manages nothing")
+        return 0
+    if action == "start":
+        cluster.start()
+        created = cluster.ensure_database(settings.db.name)
+        st = cluster.status()
+        extra = " (database created)" if created else ""
+        print(f"database: running, pid {st.pid}, socket {st.socket_dir}, port {st.port}{extra}")
+    elif action == "stop":
+        cluster.stop()
+        print("database: stopped")
+    elif action == "status":
+        st = cluster.status()
+        state = f"running, pid {st.pid}" if st.running else "stopped"
+        if not st.initialized:
+            state = "not initialised (appliance db start creates it)"
+        print(f"database: {state}; data {st.data_dir}; socket {st.socket_dir}; port {st.port}")
+        return 0 if st.running else 3
+    return 0
+
+
+# -- tenants, submit, status, bus ----------------------------------------------------------------
+
+
+async def cmd_tenant(settings: Settings, args: argparse.Namespace) -> int:
+    async with services(settings) as svc:
+        if args.tenant_action == "add":
+            created = await svc.tenants.add(args.name, display_name=args.display_name)
+            print(f"{args.name} {'added' if created else 'exists'}")
+        else:
+            for name in await svc.tenants.list():
+                print(name)
+    return 0
+
+
+async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
+    context = _read_context(args.context, settings.bus.context_max_bytes)
+    deadline = _parse_time("deadline", args.deadline)
+    not_before = _parse_time("not_before", args.not_before)
+    async with services(settings) as svc:
+        result = await svc.bus.enqueue(
+            tenant=args.tenant,
+            pipeline=args.pipeline,
+            stage=args.stage,
+            source=args.source,
+            source_id=args.source_id,
+            lane=args.lane,
+            directive=args.directive,
+            context=context,
+            priority=args.priority,
+            deadline=deadline,
+            not_before=not_before,
+            key=args.key,
+            from_agent=args.from_agent,
+            to_agent=args.to_agent,
+            now=datetime.now().astimezone(),
+        )
+    print(f"{result.id} {'new' if result.new else 'duplicate'}")
+    return 0
+
+
+def status_json(st: BusStatus) -> dict[str, Any]:
+    """The machine-readable status: counts under lanes.<lane>.<status>, ages under ages.<lane>."""
+    return {
+        "at": st.at.isoformat(),
+        "tenants": st.tenants,
+        "lanes": {
+            lane.value: {s.value: n for s, n in counts.counts.items()}
+            for lane, counts in st.lanes.items()
+        },
+        "ages": {
+            lane.value: {
+                "oldest_pending_s": counts.oldest_pending_age_s,
+                "oldest_running_lease_s": counts.oldest_running_lease_age_s,
+            }
+            for lane, counts in st.lanes.items()
+        },
+    }
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def status_text(st: BusStatus) -> str:
+    cols = ["pending", "running", "waiting", "dead", "done", "cancelled", "expired"]
+    lines = [
+        f"appliance status at {st.at.isoformat(timespec='seconds')}  ({st.tenants} tenants)",
+        f"{'lane':<12}" + "".join(f"{c:>10}" for c in cols) + f"{'oldest pending':>16}"
+        f"{'oldest lease':>14}",
+    ]
+    for lane in Lane:
+        lc = st.lanes[lane]
+        waiting = sum(lc.counts[w] for w in WAITING)
+        values = [
+            lc.counts[MessageStatus.PENDING],
+            lc.counts[MessageStatus.RUNNING],
+            waiting,
+            lc.counts[MessageStatus.DEAD],
+            lc.counts[MessageStatus.DONE],
+            lc.counts[MessageStatus.CANCELLED],
+            lc.counts[MessageStatus.EXPIRED],
+        ]
+        lines.append(
+            f"{lane.value:<12}"
+            + "".join(f"{v:>10}" for v in values)
+            + f"{_age(lc.oldest_pending_age_s):>16}{_age(lc.oldest_running_lease_age_s):>14}"
+        )
+    return "\n".join(lines)
+
+
+async def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    async with services(settings) as svc:
+        st = await svc.bus.status()
+    if args.json:
+        print(json.dumps(status_json(st), indent=2))
+    else:
+        print(status_text(st))
+    return 0
+
+
+async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
+    async with services(settings) as svc:
+        if args.bus_action == "redrive":
+            moved = await svc.bus.redrive(args.tenant, args.ids or None)
+            print(f"redriven: {moved}")
+        elif args.bus_action == "cancel":
+            ok = await svc.bus.cancel(args.tenant, args.id, reason=args.reason)
+            print("cancelled" if ok else "not cancelled (absent, another tenant's, or finished)")
+            return 0 if ok else 1
+        elif args.bus_action == "show":
+            message = await svc.bus.get(args.tenant, args.id)
+            if message is None:
+                print(f"message {args.id} not found for tenant {args.tenant}", file=sys.stderr)
+                return 1
+            log = await svc.bus.store.transitions(args.tenant, args.id)  # type: ignore[attr-defined]
+            shown = {k: v for k, v in vars(message).items() if k != "extra"}
+            shown["transitions"] = log
+            print(json.dumps(shown, indent=2, default=str))
+        elif args.bus_action == "reclaim":
+            print(f"reclaimed: {len(await svc.bus.reclaim())}")
+        elif args.bus_action == "expire":
+            print(f"expired: {await svc.bus.expire()}")
+    return 0
+
+
+# -- parser ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="appliance", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    db = sub.add_parser("db", help="the database: start, stop, status, migrate, psql")
+    dbs = db.add_subparsers(dest="db_action", required=True)
+    dbs.add_parser("start", help="create (once) and start the local cluster")
+    dbs.add_parser("stop", help="stop the local cluster (fast, then immediate)")
+    dbs.add_parser("status", help="is the local cluster running")
+    dbs.add_parser("migrate", help="apply pending migrations (idempotent)")
+    dump = dbs.add_parser("dump-schema", help="print the migrated schema (sql/schema.sql)")
+    dump.add_argument("--output", help="write here instead of standard output")
+    psql = dbs.add_parser("psql", help="an interactive psql on the appliance database")
+    psql.add_argument("--role", choices=["admin", "app", "system"], default="admin")
+    psql.add_argument("psql_args", nargs=argparse.REMAINDER, help="passed to psql")
+
+    tenant = sub.add_parser("tenant", help="register and list tenants")
+    ts = tenant.add_subparsers(dest="tenant_action", required=True)
+    add = ts.add_parser("add", help="register a tenant")
+    add.add_argument("name")
+    add.add_argument("--display-name")
+    ts.add_parser("list", help="list tenants")
+
+    submit = sub.add_parser("submit", help="put one message on the bus (idempotent)")
+    submit.add_argument("--tenant", required=True)
+    submit.add_argument("--pipeline", required=True)
+    submit.add_argument("--stage", required=True)
+    submit.add_argument("--source", required=True)
+    submit.add_argument("--source-id", required=True)
+    submit.add_argument("--lane", default=Lane.INTERACTIVE.value)
+    submit.add_argument("--directive", required=True)
+    submit.add_argument("--context", help="JSON text, or @file to read it from a file")
+    submit.add_argument("--priority", type=int, default=0)
+    submit.add_argument("--deadline", help="ISO 8601 time with zone")
+    submit.add_argument("--not-before", help="ISO 8601 time with zone")
+    submit.add_argument("--key", help="idempotency key (default: derived from source, id, stage)")
+    submit.add_argument("--from-agent")
+    submit.add_argument("--to-agent")
+
+    status = sub.add_parser("status", help="the bus at a glance")
+    status.add_argument("--json", action="store_true", help="machine-readable")
+
+    bus = sub.add_parser("bus", help="operate on messages")
+    bs = bus.add_subparsers(dest="bus_action", required=True)
+    redrive = bs.add_parser("redrive", help="send dead messages back to pending")
+    redrive.add_argument("--tenant", required=True)
+    redrive.add_argument("ids", nargs="*", type=int, help="message ids (default: all dead)")
+    cancel = bs.add_parser("cancel", help="cancel a message in any non-terminal state")
+    cancel.add_argument("--tenant", required=True)
+    cancel.add_argument("id", type=int)
+    cancel.add_argument("--reason", default="cancelled by operator")
+    show = bs.add_parser("show", help="a message and its transition log")
+    show.add_argument("--tenant", required=True)
+    show.add_argument("id", type=int)
+    bs.add_parser("reclaim", help="run the lease reclaimer once")
+    bs.add_parser("expire", help="run the expirer once")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings = Settings()
+        if args.command == "db":
+            return cmd_db(settings, args)
+        handler = {
+            "tenant": cmd_tenant,
+            "submit": cmd_submit,
+            "status": cmd_status,
+            "bus": cmd_bus,
+        }[args.command]
+        return asyncio.run(handler(settings, args))
+    except ApplianceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The PostgreSQL adapter: local cluster manager, pool, migrations, named queries, stores."""

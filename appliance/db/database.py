@@ -1,0 +1,143 @@
+"""Connections: where each role connects, the runtime pools, and tenant-scoped transactions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import DictRow, dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from appliance.db.queries import q
+from appliance.domain.errors import DatabaseUnavailable
+
+APP_ROLE = "appliance_app"
+SYSTEM_ROLE = "appliance_system"
+# Every runtime connection resolves names in the appliance schema only.
+SEARCH_PATH_OPTION = "-c search_path=appliance,pg_catalog"
+
+Conn = psycopg.AsyncConnection[DictRow]
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """libpq connection strings of the three roles: admin/owner (migrations), app, system."""
+
+    admin: str
+    app: str
+    system: str
+
+    @classmethod
+    def from_admin(
+        cls, admin: str, *, app: str | None = None, system: str | None = None
+    ) -> Endpoints:
+        """Derive the runtime roles' endpoints from the admin one, changing only the user."""
+        base = conninfo_to_dict(admin)
+        base.pop("password", None)
+        return cls(
+            admin=admin,
+            app=app or make_conninfo("", **{**base, "user": APP_ROLE}),
+            system=system or make_conninfo("", **{**base, "user": SYSTEM_ROLE}),
+        )
+
+    def with_dbname(self, dbname: str) -> Endpoints:
+        """The same servers and roles, another database (tests clone one per test)."""
+        return Endpoints(
+            admin=make_conninfo(self.admin, dbname=dbname),
+            app=make_conninfo(self.app, dbname=dbname),
+            system=make_conninfo(self.system, dbname=dbname),
+        )
+
+
+def client_argv(program: str, conninfo: str) -> list[str]:
+    """argv for a libpq client program (psql, pg_dump) connecting like `conninfo`."""
+    params = conninfo_to_dict(conninfo)
+    argv = [program]
+    for key, flag in (("host", "-h"), ("port", "-p"), ("user", "-U"), ("dbname", "-d")):
+        if params.get(key):
+            argv += [flag, str(params[key])]
+    return argv
+
+
+async def _configure(conn: Conn) -> None:
+    # Autocommit: single statements cost one round trip; multi-statement work opens an explicit
+    # transaction block.
+    await conn.set_autocommit(True)
+
+
+class Database:
+    """The two runtime pools. Opening connects; closing waits for borrowed connections."""
+
+    def __init__(self, endpoints: Endpoints, *, min_size: int = 1, max_size: int = 8) -> None:
+        self.endpoints = endpoints
+        kwargs: dict[str, Any] = {"options": SEARCH_PATH_OPTION, "row_factory": dict_row}
+        self.app_pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+            endpoints.app,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs=kwargs,
+            configure=_configure,
+            open=False,
+            name="appliance-app",
+        )
+        self.system_pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+            endpoints.system,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs=kwargs,
+            configure=_configure,
+            open=False,
+            name="appliance-system",
+        )
+
+    async def open(self, timeout: float = 30.0) -> None:
+        try:
+            await self.app_pool.open(wait=True, timeout=timeout)
+            await self.system_pool.open(wait=True, timeout=timeout)
+        except Exception as exc:
+            await self.close()
+            raise DatabaseUnavailable(
+                f"cannot connect to the database ({exc}); is it running and migrated? "
+                "(appliance db start && appliance db migrate)"
+            ) from exc
+
+    async def close(self) -> None:
+        await self.app_pool.close()
+        await self.system_pool.close()
+
+    async def __aenter__(self) -> Database:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @asynccontextmanager
+    async def tenant_tx(self, tenant: str) -> AsyncIterator[Conn]:
+        """A transaction as the app role, scoped to one tenant with SET LOCAL (never leaks)."""
+        async with self.app_pool.connection() as conn, conn.transaction():
+            await conn.execute(q("tenant_set"), {"tenant": tenant})
+            yield conn
+
+    @asynccontextmanager
+    async def system_conn(self) -> AsyncIterator[Conn]:
+        """An autocommit connection of the bus machinery role (every statement durable)."""
+        async with self.system_pool.connection() as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def system_tx(self, *, durable: bool = True) -> AsyncIterator[Conn]:
+        """A transaction of the bus machinery role.
+
+        Non-durable transactions (claims, heartbeats) commit without waiting for the WAL flush:
+        a server crash may lose them, and the lease turns that into a re-run, which
+        at-least-once delivery tolerates. Enqueue, completion and hand-off stay durable.
+        """
+        async with self.system_pool.connection() as conn, conn.transaction():
+            if not durable:
+                await conn.execute("SET LOCAL synchronous_commit = off")
+            yield conn

@@ -1,0 +1,371 @@
+"""The envelope in PostgreSQL: the MessageStore port as named queries, fenced by lease token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from appliance.db.database import Database
+from appliance.db.queries import q
+from appliance.domain.envelope import (
+    EnqueueRequest,
+    EnqueueResult,
+    Lane,
+    LeaseRef,
+    Message,
+    MessageStatus,
+)
+from appliance.domain.errors import InvalidInput, UnknownTenant
+from appliance.domain.ports import (
+    AckOutcome,
+    BusStatus,
+    Completion,
+    ExpireLimits,
+    FailOutcome,
+    HeartbeatResult,
+    LaneCounts,
+)
+
+SYSTEM_ACTOR = "bus"
+
+_MESSAGE_FIELDS = {
+    "id",
+    "tenant",
+    "pipeline",
+    "stage",
+    "source",
+    "source_id",
+    "idempotency_key",
+    "directive",
+    "context",
+    "from_agent",
+    "to_agent",
+    "lane",
+    "status",
+    "priority",
+    "attempts",
+    "max_attempts",
+    "lease_token",
+    "lease_expires_at",
+    "not_before",
+    "deadline",
+    "result",
+    "error",
+    "created_at",
+    "updated_at",
+    "claimed_by",
+}
+
+
+def row_to_message(row: dict[str, Any]) -> Message:
+    """A database row as the domain's read model (unknown columns go to `extra`)."""
+    known = {k: v for k, v in row.items() if k in _MESSAGE_FIELDS}
+    extra = {k: v for k, v in row.items() if k not in _MESSAGE_FIELDS}
+    known["lane"] = Lane(known["lane"])
+    known["status"] = MessageStatus(known["status"])
+    return Message(**known, extra=extra)
+
+
+def _ack(applied: bool, status: str | None, same_lease: bool | None) -> AckOutcome:
+    if applied:
+        return AckOutcome.APPLIED
+    if same_lease and status == MessageStatus.CANCELLED:
+        return AckOutcome.CANCELLED
+    return AckOutcome.STALE
+
+
+def _enqueue_params(
+    requests: Sequence[EnqueueRequest], retention: timedelta, now: datetime | None
+) -> dict[str, Any]:
+    return {
+        "now": now,
+        "retention": retention,
+        "ord": list(range(len(requests))),
+        "tenant": [r.tenant for r in requests],
+        "pipeline": [r.pipeline for r in requests],
+        "stage": [r.stage for r in requests],
+        "source": [r.source for r in requests],
+        "source_id": [r.source_id for r in requests],
+        "key": [r.idempotency_key for r in requests],
+        "directive": [r.directive for r in requests],
+        "context": [r.context_json for r in requests],
+        "from_agent": [r.from_agent for r in requests],
+        "to_agent": [r.to_agent for r in requests],
+        "lane": [r.lane.value for r in requests],
+        "priority": [r.priority for r in requests],
+        "max_attempts": [r.max_attempts for r in requests],
+        "not_before": [r.not_before for r in requests],
+        "deadline": [r.deadline for r in requests],
+    }
+
+
+class PgMessageStore:
+    """MessageStore on PostgreSQL.
+
+    Tenant paths run as the app role under row-level security; the machinery (claim, reclaim,
+    expire, status) runs as the system role.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # -- enqueue ---------------------------------------------------------------------------
+
+    async def enqueue(
+        self,
+        requests: Sequence[EnqueueRequest],
+        *,
+        retention: timedelta,
+        now: datetime | None = None,
+    ) -> list[EnqueueResult]:
+        """Insert a batch in one transaction: all of it or none of it.
+
+        A batch of one tenant runs as that tenant (row-level security checks every row); a
+        batch spanning tenants is bus machinery (stage hand-off, schedules) and runs as system.
+        """
+        if not requests:
+            return []
+        # The same key twice in one statement would make ON CONFLICT touch a row twice; send
+        # each key once and answer the repeats as duplicates of the first.
+        first: dict[tuple[str, str], int] = {}
+        unique: list[EnqueueRequest] = []
+        for req in requests:
+            k = (req.tenant, req.idempotency_key)
+            if k not in first:
+                first[k] = len(unique)
+                unique.append(req)
+        params = _enqueue_params(unique, retention, now)
+        tenants = {r.tenant for r in unique}
+        try:
+            if len(tenants) == 1:
+                async with self.db.tenant_tx(next(iter(tenants))) as conn:
+                    rows = await (await conn.execute(q("message_enqueue"), params)).fetchall()
+            else:
+                async with self.db.system_tx() as conn:
+                    rows = await (await conn.execute(q("message_enqueue"), params)).fetchall()
+        except psycopg.errors.ForeignKeyViolation:
+            raise UnknownTenant(await self._missing_tenant(tenants)) from None
+        except psycopg.errors.CheckViolation as exc:
+            problem = f"rejected by the database: {exc.diag.message_primary}"
+            raise InvalidInput("message", problem) from None
+        answers = [EnqueueResult(id=row["id"], new=row["new"]) for row in rows]
+        results: list[EnqueueResult] = []
+        seen: set[tuple[str, str]] = set()
+        for req in requests:
+            k = (req.tenant, req.idempotency_key)
+            answer = answers[first[k]]
+            results.append(answer if k not in seen else EnqueueResult(answer.id, False))
+            seen.add(k)
+        return results
+
+    async def _missing_tenant(self, tenants: set[str]) -> str:
+        async with self.db.system_conn() as conn:
+            for tenant in sorted(tenants):
+                row = await (await conn.execute(q("tenant_exists"), {"name": tenant})).fetchone()
+                if row is None or not row["present"]:
+                    return tenant
+        return ", ".join(sorted(tenants))
+
+    # -- the worker's path -----------------------------------------------------------------
+
+    async def claim(
+        self,
+        *,
+        worker: str,
+        lanes: Sequence[Lane],
+        limit: int,
+        lease: timedelta,
+        tenant: str | None = None,
+        now: datetime | None = None,
+    ) -> list[Message]:
+        """Lease up to `limit` messages, strict by lane in the order given."""
+        if limit <= 0 or not lanes:
+            return []
+        order = {lane: i for i, lane in enumerate(lanes)}
+        params = {
+            "worker": worker,
+            "lanes": [lane.value for lane in lanes],
+            "limit": limit,
+            "lease": lease,
+            "tenant": tenant,
+            "now": now,
+        }
+        if tenant is None:
+            async with self.db.system_tx(durable=False) as conn:
+                rows = await (await conn.execute(q("message_claim"), params)).fetchall()
+        else:
+            async with self.db.tenant_tx(tenant) as conn:
+                await conn.execute("SET LOCAL synchronous_commit = off")
+                rows = await (await conn.execute(q("message_claim"), params)).fetchall()
+        messages = [row_to_message(r) for r in rows]
+        messages.sort(key=lambda m: (order[m.lane], -m.priority, m.not_before, m.id))
+        return messages
+
+    async def heartbeat(
+        self, lease: LeaseRef, *, extend: timedelta, now: datetime | None = None
+    ) -> HeartbeatResult:
+        """Extend the lease if it is still current; otherwise say why the worker must stop."""
+        params = {"id": lease.message_id, "token": lease.lease_token, "extend": extend, "now": now}
+        async with self.db.system_tx(durable=False) as conn:
+            row = await (await conn.execute(q("message_heartbeat"), params)).fetchone()
+        if row is None:
+            return HeartbeatResult(AckOutcome.STALE)
+        if row["lease_expires_at"] is not None:
+            return HeartbeatResult(AckOutcome.APPLIED, row["lease_expires_at"])
+        same = row["lease_token"] == lease.lease_token
+        return HeartbeatResult(_ack(False, row["status"], same))
+
+    async def complete(
+        self,
+        completions: Sequence[Completion],
+        *,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> list[AckOutcome]:
+        """Record results (a batch, durable); each answer says whether that lease still held."""
+        if not completions:
+            return []
+        params = {
+            "id": [c.lease.message_id for c in completions],
+            "token": [c.lease.lease_token for c in completions],
+            "result": [Jsonb(c.result) for c in completions],
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            rows = await (await conn.execute(q("message_complete"), params)).fetchall()
+        by_id = {r["id"]: _ack(r["applied"], r["status"], r["same_lease"]) for r in rows}
+        return [by_id[c.lease.message_id] for c in completions]
+
+    async def fail(
+        self,
+        lease: LeaseRef,
+        *,
+        error: str,
+        retry_delay: timedelta,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> FailOutcome:
+        """Fail the attempt under its lease: retry later, or dead when attempts are used up."""
+        params = {
+            "id": lease.message_id,
+            "token": lease.lease_token,
+            "error": error[:8000],
+            "retry_delay": retry_delay,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_fail"), params)).fetchone()
+        if row is None:
+            return FailOutcome.STALE
+        if row["new_status"] is not None:
+            return FailOutcome.DEAD if row["new_status"] == "dead" else FailOutcome.RETRY
+        if row["same_lease"] and row["status"] == MessageStatus.CANCELLED:
+            return FailOutcome.CANCELLED
+        return FailOutcome.STALE
+
+    # -- operator and maintenance paths ----------------------------------------------------
+
+    async def cancel(
+        self,
+        tenant: str,
+        message_id: int,
+        *,
+        reason: str = "cancelled",
+        actor: str = "operator",
+        now: datetime | None = None,
+    ) -> bool:
+        """Cancel as the tenant: True if a non-terminal message was cancelled."""
+        params = {"id": message_id, "reason": reason, "actor": actor, "now": now}
+        async with self.db.tenant_tx(tenant) as conn:
+            row = await (await conn.execute(q("message_cancel"), params)).fetchone()
+        return row is not None
+
+    async def expire(
+        self, limits: ExpireLimits, *, batch: int = 500, now: datetime | None = None
+    ) -> int:
+        """Expire past-deadline and over-age pending work (one bounded batch of each)."""
+        expired = 0
+        async with self.db.system_conn() as conn:
+            cur = await conn.execute(
+                q("message_expire_deadline"), {"now": now, "batch": batch, "actor": SYSTEM_ACTOR}
+            )
+            expired += len(await cur.fetchall())
+            for lane, age in limits.max_queue_age.items():
+                if age is None:
+                    continue
+                params = {
+                    "lane": lane.value,
+                    "max_age": age,
+                    "now": now,
+                    "batch": batch,
+                    "actor": SYSTEM_ACTOR,
+                }
+                cur = await conn.execute(q("message_expire_queue_age"), params)
+                expired += len(await cur.fetchall())
+        return expired
+
+    async def reclaim(self, *, batch: int = 500, now: datetime | None = None) -> list[int]:
+        """Return expired leases to pending (or dead); the ids reclaimed, logged `lease_expired`."""
+        async with self.db.system_conn() as conn:
+            cur = await conn.execute(
+                q("message_reclaim"), {"now": now, "batch": batch, "actor": SYSTEM_ACTOR}
+            )
+            return [r["id"] for r in await cur.fetchall()]
+
+    async def redrive(
+        self,
+        tenant: str,
+        message_ids: Sequence[int] | None,
+        *,
+        actor: str = "operator",
+        now: datetime | None = None,
+    ) -> int:
+        """Dead messages of a tenant back to pending with fresh attempts; how many moved."""
+        params = {
+            "ids": list(message_ids) if message_ids is not None else None,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.tenant_tx(tenant) as conn:
+            rows = await (await conn.execute(q("message_redrive"), params)).fetchall()
+        return len(rows)
+
+    async def get(self, tenant: str, message_id: int) -> Message | None:
+        """One message as the tenant sees it (None when absent or another tenant's)."""
+        async with self.db.tenant_tx(tenant) as conn:
+            row = await (await conn.execute(q("message_get"), {"id": message_id})).fetchone()
+        return row_to_message(row) if row else None
+
+    async def transitions(self, tenant: str, message_id: int) -> list[dict[str, Any]]:
+        """The transition log of one message, as the tenant sees it."""
+        async with self.db.tenant_tx(tenant) as conn:
+            cur = await conn.execute(q("message_transitions"), {"id": message_id})
+            return list(await cur.fetchall())
+
+    async def status(self, *, now: datetime | None = None) -> BusStatus:
+        """Counts by lane and status, and the ages that show stuck work."""
+        async with self.db.system_conn() as conn:
+            rows = await (await conn.execute(q("bus_status"), {"now": now})).fetchall()
+            clock = await (await conn.execute("SELECT now() AS at")).fetchone()
+            tenants = await (await conn.execute(q("tenant_count"))).fetchone()
+        lanes: dict[Lane, LaneCounts] = {}
+        for lane in Lane:
+            mine = [r for r in rows if r["lane"] == lane.value]
+            counts = {s: 0 for s in MessageStatus}
+            pending_age: float | None = None
+            lease_age: float | None = None
+            for r in mine:
+                counts[MessageStatus(r["status"])] = r["n"]
+                if r["oldest_pending_s"] is not None:
+                    pending_age = float(r["oldest_pending_s"])
+                if r["oldest_lease_s"] is not None:
+                    lease_age = float(r["oldest_lease_s"])
+            lanes[lane] = LaneCounts(counts, pending_age, lease_age)
+        at = now or (clock["at"] if clock else datetime.now().astimezone())
+        return BusStatus(at=at, lanes=lanes, tenants=tenants["n"] if tenants else 0)

@@ -1,0 +1,116 @@
+"""Forward-only migrations: numbered files applied in order under an advisory lock, checksummed."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from psycopg.rows import dict_row
+
+from appliance.db.queries import sql_dir
+from appliance.domain.errors import MigrationError
+
+log = logging.getLogger("appliance.db.migrate")
+
+_FILE = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
+# One key for every migrator of every box: two concurrent `migrate` runs serialise on it.
+MIGRATION_LOCK_KEY = 0x6170706C_6D696772  # "applmigr"
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One numbered file: version, name, text and the sha256 that pins it once applied."""
+
+    version: int
+    name: str
+    path: Path
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+def discover(directory: Path | None = None) -> list[Migration]:
+    """The migration files in version order; gaps, duplicates and stray names are errors."""
+    folder = (directory or sql_dir()) / "migrations"
+    found: list[Migration] = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix != ".sql":
+            continue
+        match = _FILE.match(path.name)
+        if not match:
+            raise MigrationError(f"{path.name}: migration files are named NNNN_lowercase_name.sql")
+        found.append(Migration(int(match["version"]), match["name"], path, path.read_text()))
+    for expected, migration in enumerate(found, start=1):
+        if migration.version != expected:
+            raise MigrationError(
+                f"{migration.path.name}: expected version {expected:04d} (versions are 1, 2, ... "
+                "without gaps or repeats)"
+            )
+    return found
+
+
+@dataclass(frozen=True)
+class MigrateReport:
+    """What a migrate run found and did."""
+
+    applied: list[int]
+    already: list[int]
+
+
+def migrate(admin_conninfo: str, directory: Path | None = None) -> MigrateReport:
+    """Apply pending migrations.
+
+    Idempotent; safe when several run at once; refuses (changing nothing) when an applied file's
+    checksum changed or the database is ahead of the code.
+    """
+    base = directory or sql_dir()
+    migrations = discover(base)
+    bootstrap = (base / "bootstrap.sql").read_text()
+    with psycopg.connect(admin_conninfo, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        try:
+            with conn.transaction():
+                conn.execute(bootstrap)
+            rows = conn.execute(
+                "SELECT version, name, checksum FROM appliance.schema_migrations ORDER BY version"
+            ).fetchall()
+            applied = {r["version"]: r for r in rows}
+            by_version = {m.version: m for m in migrations}
+            # Verify everything before changing anything.
+            for version, row in applied.items():
+                migration = by_version.get(version)
+                if migration is None:
+                    raise MigrationError(
+                        f"the database has migration {version:04d} ({row['name']}) that this code "
+                        "does not know: it is newer than the code; upgrade the appliance"
+                    )
+                if migration.checksum != row["checksum"]:
+                    raise MigrationError(
+                        f"migration {migration.path.name} was changed after it was applied "
+                        f"(applied checksum {row['checksum']}, file now {migration.checksum}); "
+                        "migrations are forward-only: restore the file and add a new migration"
+                    )
+            done: list[int] = []
+            for migration in migrations:
+                if migration.version in applied:
+                    continue
+                log.info("applying migration %s", migration.path.name)
+                with conn.transaction():
+                    conn.execute("SET LOCAL ROLE appliance_owner")
+                    conn.execute("SET LOCAL search_path = appliance, pg_catalog")
+                    conn.execute(migration.sql)
+                    conn.execute(
+                        "INSERT INTO appliance.schema_migrations (version, name, checksum)"
+                        " VALUES (%s, %s, %s)",
+                        (migration.version, migration.name, migration.checksum),
+                    )
+                done.append(migration.version)
+            return MigrateReport(applied=done, already=sorted(applied))
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))

@@ -1,0 +1,87 @@
+"""Named SQL queries: parsed once from sql/queries/*.sql, executed only with bound parameters."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+from appliance.domain.errors import ConfigurationError
+
+Kind = Literal["one", "many", "exec"]
+_HEADER = re.compile(r"^-- name: (?P<name>[a-z_][a-z0-9_]*) :(?P<kind>one|many|exec)\s*$")
+
+
+def sql_dir() -> Path:
+    """Where sql/ lives: APPLIANCE_SQL_DIR (an installed image), else the checkout's sql/."""
+    override = os.environ.get("APPLIANCE_SQL_DIR")
+    path = Path(override) if override else Path(__file__).resolve().parents[2] / "sql"
+    if not (path / "migrations").is_dir():
+        raise ConfigurationError(
+            f"SQL directory {path} has no migrations/ (set APPLIANCE_SQL_DIR to the sql/ folder)"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class Query:
+    """One named statement: its name, what it returns, what it does, and its text."""
+
+    name: str
+    kind: Kind
+    doc: str
+    sql: str
+
+
+def parse(text: str, origin: str) -> dict[str, Query]:
+    """Split a file into its named queries; each starts at a `-- name: x :kind` header."""
+    queries: dict[str, Query] = {}
+    current: tuple[str, Kind] | None = None
+    doc: list[str] = []
+    body: list[str] = []
+
+    def flush() -> None:
+        if current is None:
+            return
+        sql = "\n".join(body).strip().rstrip(";").strip()
+        if not sql:
+            raise ConfigurationError(f"{origin}: query {current[0]} has no SQL")
+        if not doc:
+            raise ConfigurationError(f"{origin}: query {current[0]} lacks its one-line description")
+        if current[0] in queries:
+            raise ConfigurationError(f"{origin}: query {current[0]} is defined twice")
+        queries[current[0]] = Query(current[0], current[1], " ".join(doc), sql)
+
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            flush()
+            current = (header["name"], header["kind"])  # type: ignore[assignment]
+            doc, body = [], []
+        elif current is not None and not body and line.startswith("-- "):
+            doc.append(line[3:].strip())
+        elif current is not None:
+            body.append(line)
+    flush()
+    return queries
+
+
+@cache
+def load(directory: Path | None = None) -> dict[str, Query]:
+    """Every named query of sql/queries, loaded once per process."""
+    folder = (directory or sql_dir()) / "queries"
+    merged: dict[str, Query] = {}
+    for path in sorted(folder.glob("*.sql")):
+        for name, query in parse(path.read_text(), str(path)).items():
+            if name in merged:
+                raise ConfigurationError(f"{path}: query {name} is also defined elsewhere")
+            merged[name] = query
+    return merged
+
+
+def q(name: str) -> str:
+    """The SQL of a named query (KeyError names a query that does not exist)."""
+    return load()[name].sql

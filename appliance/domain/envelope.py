@@ -1,0 +1,292 @@
+"""The envelope: one unit of agent work, its lanes and life-cycle states, and input validation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from appliance.domain.errors import InvalidInput
+
+JSONValue = Any  # JSON-compatible: dict, list, str, int, float, bool, None
+
+DEFAULT_CONTEXT_MAX_BYTES = 1024 * 1024
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+KEY_MAX_CHARS = 512
+SOURCE_ID_MAX_CHARS = 512
+DIRECTIVE_MAX_CHARS = 64 * 1024
+
+
+class Lane(StrEnum):
+    """Claim classes, in strict claim order: interactive work is never starved by the others."""
+
+    INTERACTIVE = "interactive"
+    SYSTEM = "system"
+    BATCH = "batch"
+
+
+class MessageStatus(StrEnum):
+    """The life cycle of a message (ARCHITECTURE.md); enum `message_status` in SQL mirrors it."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    AWAITING_APPROVAL = "awaiting_approval"
+    HELD_BUDGET = "held_budget"
+    WAITING_CAPABILITY = "waiting_capability"
+
+
+TERMINAL = frozenset({MessageStatus.DONE, MessageStatus.CANCELLED, MessageStatus.EXPIRED})
+WAITING = frozenset(
+    {
+        MessageStatus.AWAITING_APPROVAL,
+        MessageStatus.HELD_BUDGET,
+        MessageStatus.WAITING_CAPABILITY,
+    }
+)
+
+_S = MessageStatus
+# The only status changes the database accepts (migration 0002 holds the same table, and a test
+# keeps the two equal). Dead is not terminal: an operator may re-drive it.
+LEGAL_TRANSITIONS: frozenset[tuple[MessageStatus, MessageStatus]] = frozenset(
+    {
+        (_S.PENDING, _S.RUNNING),
+        (_S.PENDING, _S.CANCELLED),
+        (_S.PENDING, _S.EXPIRED),
+        (_S.PENDING, _S.DEAD),
+        (_S.RUNNING, _S.DONE),
+        (_S.RUNNING, _S.PENDING),
+        (_S.RUNNING, _S.DEAD),
+        (_S.RUNNING, _S.CANCELLED),
+        (_S.RUNNING, _S.EXPIRED),
+        (_S.DEAD, _S.PENDING),
+        (_S.DEAD, _S.CANCELLED),
+    }
+    | {(_S.PENDING, w) for w in WAITING}
+    | {(_S.RUNNING, w) for w in WAITING}
+    | {(w, t) for w in WAITING for t in (_S.PENDING, _S.CANCELLED, _S.EXPIRED, _S.DEAD)}
+)
+
+
+def idempotency_key(source: str, source_id: str, stage: str) -> str:
+    """The deterministic key of (source, source id, stage): same inputs, same key, on every box."""
+    raw = json.dumps([source, source_id, stage], separators=(",", ":"), ensure_ascii=False)
+    return "k1:" + hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _check_name(field_name: str, value: str) -> str:
+    if not NAME_RE.match(value):
+        raise InvalidInput(
+            field_name,
+            f"{value!r} is not a valid name (lowercase letters, digits, '_', '-', '.'; "
+            "1-63 characters, starting with a letter or digit)",
+        )
+    return value
+
+
+def parse_lane(value: str | Lane) -> Lane:
+    """A lane from text, or an error listing the lanes that exist."""
+    try:
+        return Lane(value)
+    except ValueError:
+        allowed = ", ".join(lane.value for lane in Lane)
+        raise InvalidInput("lane", f"unknown lane {value!r} (one of: {allowed})") from None
+
+
+def parse_status(value: str | MessageStatus) -> MessageStatus:
+    """A status from text, or an error listing the statuses that exist."""
+    try:
+        return MessageStatus(value)
+    except ValueError:
+        allowed = ", ".join(s.value for s in MessageStatus)
+        raise InvalidInput("status", f"unknown status {value!r} (one of: {allowed})") from None
+
+
+def encode_context(context: JSONValue, max_bytes: int) -> str:
+    """The context as compact JSON text, refusing what is not JSON or is over the size limit."""
+    try:
+        text = json.dumps(context, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput("context", f"is not JSON-serialisable: {exc}") from None
+    if "\\u0000" in text:
+        # PostgreSQL jsonb cannot hold NUL characters; say so here rather than fail at insert.
+        raise InvalidInput(
+            "context", "contains a NUL character (\\u0000), which jsonb cannot store"
+        )
+    size = len(text.encode())
+    if size > max_bytes:
+        raise InvalidInput("context", f"is {size} bytes, over the limit of {max_bytes} bytes")
+    return text
+
+
+def decode_context(text: str, max_bytes: int) -> JSONValue:
+    """Context given as JSON text (CLI, API): parsed, or an error naming the field."""
+    if len(text.encode()) > max_bytes:
+        raise InvalidInput(
+            "context", f"is {len(text.encode())} bytes, over the limit of {max_bytes} bytes"
+        )
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput("context", f"is not valid JSON: {exc}") from None
+
+
+@dataclass(frozen=True)
+class EnqueueRequest:
+    """A validated request to put one unit of work on the bus (construct with `build`)."""
+
+    tenant: str
+    pipeline: str
+    stage: str
+    source: str
+    source_id: str
+    directive: str
+    idempotency_key: str
+    context_json: str
+    lane: Lane = Lane.INTERACTIVE
+    priority: int = 0
+    from_agent: str | None = None
+    to_agent: str | None = None
+    max_attempts: int = 5
+    not_before: datetime | None = None
+    deadline: datetime | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        tenant: str,
+        pipeline: str,
+        stage: str,
+        source: str,
+        source_id: str,
+        directive: str,
+        context: JSONValue = None,
+        lane: str | Lane = Lane.INTERACTIVE,
+        priority: int = 0,
+        from_agent: str | None = None,
+        to_agent: str | None = None,
+        max_attempts: int = 5,
+        not_before: datetime | None = None,
+        deadline: datetime | None = None,
+        key: str | None = None,
+        context_max_bytes: int = DEFAULT_CONTEXT_MAX_BYTES,
+        now: datetime | None = None,
+    ) -> EnqueueRequest:
+        """Validate every field before anything touches the database; errors name the field."""
+        _check_name("tenant", tenant)
+        _check_name("pipeline", pipeline)
+        _check_name("stage", stage)
+        _check_name("source", source)
+        if not source_id or len(source_id) > SOURCE_ID_MAX_CHARS:
+            raise InvalidInput("source_id", f"must be 1-{SOURCE_ID_MAX_CHARS} characters")
+        if not directive or not directive.strip():
+            raise InvalidInput("directive", "must not be empty")
+        if len(directive) > DIRECTIVE_MAX_CHARS:
+            raise InvalidInput(
+                "directive",
+                f"is {len(directive)} characters, over the limit of {DIRECTIVE_MAX_CHARS}",
+            )
+        if key is not None and not (0 < len(key) <= KEY_MAX_CHARS):
+            raise InvalidInput("idempotency_key", f"must be 1-{KEY_MAX_CHARS} characters")
+        if not -1000 <= priority <= 1000:
+            raise InvalidInput("priority", f"{priority} is outside -1000..1000")
+        if not 1 <= max_attempts <= 100:
+            raise InvalidInput("max_attempts", f"{max_attempts} is outside 1..100")
+        for name, agent in (("from_agent", from_agent), ("to_agent", to_agent)):
+            if agent is not None and not (0 < len(agent) <= 200):
+                raise InvalidInput(name, "must be 1-200 characters")
+        for name, moment in (("not_before", not_before), ("deadline", deadline)):
+            if moment is not None and moment.tzinfo is None:
+                raise InvalidInput(name, "must carry a time zone (ISO 8601 with offset)")
+        if deadline is not None:
+            if now is not None and deadline <= now:
+                raise InvalidInput("deadline", f"{deadline.isoformat()} is not in the future")
+            if not_before is not None and deadline <= not_before:
+                raise InvalidInput("deadline", "must be later than not_before")
+        return cls(
+            tenant=tenant,
+            pipeline=pipeline,
+            stage=stage,
+            source=source,
+            source_id=source_id,
+            directive=directive,
+            idempotency_key=key if key is not None else idempotency_key(source, source_id, stage),
+            context_json=encode_context(context, context_max_bytes),
+            lane=parse_lane(lane),
+            priority=priority,
+            from_agent=from_agent,
+            to_agent=to_agent,
+            max_attempts=max_attempts,
+            not_before=not_before,
+            deadline=deadline,
+        )
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    """The message a request maps to, and whether this call created it (False: a duplicate)."""
+
+    id: int
+    new: bool
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """What fences every write of a worker: the message, its current lease token."""
+
+    message_id: int
+    lease_token: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message as stored (a read model: changing it changes nothing)."""
+
+    id: int
+    tenant: str
+    pipeline: str
+    stage: str
+    source: str
+    source_id: str
+    idempotency_key: str
+    directive: str
+    context: JSONValue
+    from_agent: str | None
+    to_agent: str | None
+    lane: Lane
+    status: MessageStatus
+    priority: int
+    attempts: int
+    max_attempts: int
+    lease_token: int | None
+    lease_expires_at: datetime | None
+    not_before: datetime
+    deadline: datetime | None
+    result: JSONValue
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    claimed_by: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lease(self) -> LeaseRef:
+        """The lease this message was claimed under (only meaningful while running)."""
+        if self.lease_token is None:
+            raise ValueError(f"message {self.id} holds no lease")
+        return LeaseRef(self.id, self.lease_token)
+
+
+def lease_duration_ok(lease: timedelta) -> timedelta:
+    """Refuse leases under a second (cannot be heartbeated) or over a day (they hide loss)."""
+    if not timedelta(seconds=1) <= lease <= timedelta(days=1):
+        raise InvalidInput("lease", f"{lease} is outside 1 s .. 1 day")
+    return lease

@@ -1,0 +1,34 @@
+"""Retry policy: exponential backoff with full jitter, capped; pure so tests can pin the random."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+from appliance.domain.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Delay before attempt n+1: uniform in [base*2^(n-1)/2, base*2^(n-1)], never above `cap`.
+
+    Half-jitter keeps a floor (a failing dependency gets some rest) while spreading retries of
+    messages that failed together, so they do not return as one thundering herd.
+    """
+
+    base: timedelta = timedelta(seconds=2)
+    cap: timedelta = timedelta(minutes=10)
+
+    def __post_init__(self) -> None:
+        if self.base <= timedelta(0):
+            raise InvalidInput("retry.base", "must be positive")
+        if self.cap < self.base:
+            raise InvalidInput("retry.cap", "must be at least retry.base")
+
+    def delay(self, attempts: int, rng: random.Random | None = None) -> timedelta:
+        """The wait after `attempts` failed attempts (attempts >= 1)."""
+        exponent = min(max(attempts, 1) - 1, 32)
+        ceiling: timedelta = min(self.base * (2**exponent), self.cap)
+        fraction = 0.5 + 0.5 * (rng or random).random()
+        return ceiling * fraction

@@ -1,0 +1,1 @@
+"""The llama.cpp adapter: models.lock, the inference pool, tier routing."""

@@ -1,0 +1,1 @@
+"""Energy sources (NVML, RAPL, estimate, replay) and attribution of energy to calls."""

@@ -1,0 +1,1 @@
+"""Pipelines: the domain logic of each pipeline as stage handlers (added with the runner)."""

@@ -1,0 +1,95 @@
+"""Settings: one pydantic-settings section per subsystem, read from APPLIANCE_* variables."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+from pydantic import AliasChoices, BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from appliance.domain.envelope import DEFAULT_CONTEXT_MAX_BYTES, Lane
+from appliance.domain.retry import RetryPolicy
+
+
+def default_state_dir() -> Path:
+    """./var in a checkout (next to pyproject.toml); /var/lib/appliance in an installed image."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "sql").is_dir():
+        return root / "var"
+    return Path("/var/lib/appliance")
+
+
+class DatabaseSettings(BaseModel):
+    """Where the database is: the local cluster under the state dir, or a given server."""
+
+    # Set APPLIANCE_DATABASE_URL to use an existing server; the appliance then manages nothing.
+    # That URL is the migrating (admin) user; the runtime roles connect as themselves unless
+    # their URLs are given too.
+    url: str | None = None
+    app_url: str | None = None
+    system_url: str | None = None
+    pg_bindir: Path | None = None
+    port: int = Field(default=5432, ge=1, le=65535)
+    # Empty: no TCP at all, only the Unix socket inside the state dir.
+    listen_addresses: str = ""
+    name: str = Field(default="appliance", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    pool_min: int = Field(default=1, ge=0)
+    pool_max: int = Field(default=8, ge=1)
+
+
+class BusSettings(BaseModel):
+    """The envelope's rules: leases, retries, sizes, retention, queue ages."""
+
+    lease_seconds: float = Field(default=30.0, ge=1.0, le=86400.0)
+    max_attempts: int = Field(default=5, ge=1, le=100)
+    retry_base_seconds: float = Field(default=2.0, gt=0)
+    retry_cap_seconds: float = Field(default=600.0, gt=0)
+    context_max_bytes: int = Field(default=DEFAULT_CONTEXT_MAX_BYTES, ge=1024)
+    idempotency_retention_days: float = Field(default=90.0, gt=0)
+    # Pending work older than this is expired instead of run (None: no limit for the lane).
+    max_queue_age_seconds: dict[Lane, float | None] = Field(
+        default_factory=lambda: {Lane.INTERACTIVE: 3600.0, Lane.SYSTEM: 86400.0, Lane.BATCH: None}
+    )
+    maintenance_batch: int = Field(default=500, ge=1, le=100_000)
+
+    @property
+    def lease(self) -> timedelta:
+        return timedelta(seconds=self.lease_seconds)
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(
+            base=timedelta(seconds=self.retry_base_seconds),
+            cap=timedelta(seconds=self.retry_cap_seconds),
+        )
+
+    @property
+    def idempotency_retention(self) -> timedelta:
+        return timedelta(days=self.idempotency_retention_days)
+
+
+class Settings(BaseSettings):
+    """All settings. Nested fields read APPLIANCE_<SECTION>__<FIELD>; a few have short names."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="APPLIANCE_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    state_dir: Path = Field(default_factory=default_state_dir)
+    db: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    bus: BusSettings = Field(default_factory=BusSettings)
+
+    # The documented short names (APPLIANCE_DATABASE_URL, APPLIANCE_PG_BINDIR) win over nested ones.
+    database_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("APPLIANCE_DATABASE_URL")
+    )
+    pg_bindir: Path | None = Field(
+        default=None, validation_alias=AliasChoices("APPLIANCE_PG_BINDIR")
+    )
+
+    def model_post_init(self, __context: object) -> None:
+        if self.database_url:
+            self.db.url = self.database_url
+        if self.pg_bindir:
+            self.db.pg_bindir = self.pg_bindir

@@ -1,0 +1,101 @@
+# shellcheck shell=bash
+# Set-up shared by scripts/run and scripts/test: a .venv built from the hashed lock, with
+# llama-cpp-python compiled once per (version, sdist hash, build flags) and cached outside the repo.
+# Sourced, not executed. Idempotent: a second run only checks stamps.
+
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="$ROOT/.venv"
+LOCK="$ROOT/requirements.lock"
+CACHE="${APPLIANCE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/appliance}"
+PY="${APPLIANCE_PYTHON:-python3.11}"
+
+# The portable llama.cpp build (FACTS.md): no -march=native, no AMX path; the image runs on other boxes.
+LLAMA_CMAKE_ARGS="${APPLIANCE_LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF}"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+ensure_python() {
+  if ! command -v "$PY" >/dev/null 2>&1; then
+    if command -v python3 >/dev/null 2>&1 && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+      PY=python3
+    else
+      log "Python 3.11 is required (set APPLIANCE_PYTHON to its path)"; exit 1
+    fi
+  fi
+}
+
+# The lock's llama-cpp-python line (an sdist pinned by hash) is built separately; everything else
+# installs with --require-hashes straight from the lock.
+llama_requirement() {
+  awk '/^llama-cpp-python==/{p=1} p{print} p && !/\\$/{exit}' "$LOCK"
+}
+
+llama_wheel_dir() {
+  local key
+  key="$(printf '%s\n%s\n' "$(llama_requirement)" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-16)"
+  printf '%s/wheels/llama-cpp-python-%s' "$CACHE" "$key"
+}
+
+build_llama_wheel() {
+  local dir req
+  dir="$(llama_wheel_dir)"
+  if compgen -G "$dir/llama_cpp_python-*.whl" >/dev/null; then
+    return 0
+  fi
+  log "building llama-cpp-python once (about 10 minutes on 2 cores) into $dir"
+  mkdir -p "$dir.tmp"
+  req="$(mktemp)"
+  llama_requirement >"$req"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    "$VENV/bin/pip" wheel --quiet --no-deps --require-hashes --no-binary llama-cpp-python \
+    -r "$req" -w "$dir.tmp"
+  rm -f "$req"
+  rm -rf "$dir" && mv "$dir.tmp" "$dir"
+}
+
+ensure_venv() {
+  ensure_python
+  if [ ! -x "$VENV/bin/python" ]; then
+    log "creating $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.installed" want
+  want="$(cat "$LOCK" "$ROOT/pyproject.toml" | sha256sum | cut -c1-32)-$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-8)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  mkdir -p "$CACHE/pip"
+  export PIP_CACHE_DIR="$CACHE/pip" PIP_DISABLE_PIP_VERSION_CHECK=1
+  local rest
+  rest="$(mktemp)"
+  awk '/^llama-cpp-python==/{skip=1; next} skip && /^[[:space:]]/{next} {skip=0; print}' "$LOCK" >"$rest"
+  log "installing the locked dependencies"
+  "$VENV/bin/pip" install --quiet --require-hashes --no-deps -r "$rest"
+  rm -f "$rest"
+  build_llama_wheel
+  "$VENV/bin/pip" install --quiet --no-deps --force-reinstall "$(llama_wheel_dir)"/llama_cpp_python-*.whl
+  "$VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e "$ROOT"
+  printf '%s' "$want" >"$stamp"
+}
+
+# The PostgreSQL server binaries (the local cluster manager runs them). Installed with apt when
+# missing and we are root; otherwise say exactly what to install.
+ensure_postgres() {
+  if [ -n "${APPLIANCE_DATABASE_URL:-}" ] || [ -n "${APPLIANCE_PG_BINDIR:-}" ]; then
+    return 0
+  fi
+  if compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+    return 0
+  fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing PostgreSQL server binaries (Debian package postgresql)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  else
+    log "PostgreSQL server binaries not found: install the Debian package 'postgresql'"
+    log "(apt-get install -y postgresql) or set APPLIANCE_PG_BINDIR to their folder"
+    exit 1
+  fi
+}

@@ -1,0 +1,41 @@
+-- Cluster-level set-up that precedes the numbered migrations: the roles and the schema they own.
+-- Idempotent; run by the migrator as the connecting (admin) user, under the migration lock.
+-- Roles are cluster objects, not schema objects, so they live here and not in schema.sql.
+--   appliance_owner   owns every object; migrations run as it (SET ROLE). Cannot log in.
+--   appliance_app     tenant-scoped runtime role: sees only the tenant set with SET LOCAL.
+--   appliance_system  the bus machinery (claim, reclaim, expire, status) across tenants.
+-- Neither runtime role owns anything.
+DO $$
+DECLARE
+    spec text[];
+BEGIN
+    FOREACH spec SLICE 1 IN ARRAY ARRAY[
+        ['appliance_owner', 'NOLOGIN'], ['appliance_app', 'LOGIN'], ['appliance_system', 'LOGIN']
+    ] LOOP
+        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = spec[1]) THEN
+            BEGIN
+                EXECUTE format('CREATE ROLE %I %s', spec[1], spec[2]);
+            EXCEPTION WHEN duplicate_object OR unique_violation THEN
+                -- Another database of this cluster created it at the same moment: fine.
+                NULL;
+            END;
+        END IF;
+    END LOOP;
+    -- The migrating user must be able to SET ROLE appliance_owner (a superuser always can).
+    IF NOT pg_has_role(current_user, 'appliance_owner', 'MEMBER') THEN
+        EXECUTE format('GRANT appliance_owner TO %I', current_user);
+    END IF;
+END
+$$;
+
+CREATE SCHEMA IF NOT EXISTS appliance AUTHORIZATION appliance_owner;
+REVOKE ALL ON SCHEMA appliance FROM PUBLIC;
+GRANT USAGE ON SCHEMA appliance TO appliance_app, appliance_system;
+
+CREATE TABLE IF NOT EXISTS appliance.schema_migrations (
+    version integer PRIMARY KEY,
+    name text NOT NULL,
+    checksum text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+ALTER TABLE appliance.schema_migrations OWNER TO appliance_owner;

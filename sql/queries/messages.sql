@@ -1,0 +1,258 @@
+-- Named queries of the envelope. Parameters are named (%(name)s) and always passed separately.
+-- Every `now` parameter may be NULL, which means the database clock (the production case);
+-- tests pass an injected time instead of sleeping.
+
+-- name: message_enqueue :many
+-- Insert a batch of requests (arrays, one element per request, keys already unique in the batch); a key seen before returns its message (new = false) and creates no work.
+WITH req AS (
+    SELECT r.*, coalesce(%(now)s::timestamptz, now()) AS at
+    FROM unnest(
+        %(ord)s::integer[], %(tenant)s::text[], %(pipeline)s::text[], %(stage)s::text[],
+        %(source)s::text[], %(source_id)s::text[], %(key)s::text[], %(directive)s::text[],
+        %(context)s::jsonb[], %(from_agent)s::text[], %(to_agent)s::text[], %(lane)s::lane[],
+        %(priority)s::smallint[], %(max_attempts)s::integer[], %(not_before)s::timestamptz[],
+        %(deadline)s::timestamptz[]
+    ) AS r(ord, tenant, pipeline, stage, source, source_id, key, directive, context,
+           from_agent, to_agent, lane, priority, max_attempts, not_before, deadline)
+),
+keys AS (
+    INSERT INTO idempotency_keys AS ik (tenant, key, message_id, created_at, expires_at)
+    SELECT req.tenant, req.key, nextval('agent_messages_id_seq'), req.at,
+           req.at + %(retention)s::interval
+    FROM req
+    ON CONFLICT (tenant, key) DO UPDATE
+    -- A live key answers with its message; an expired one is taken over by the new request.
+    SET hits = CASE WHEN ik.expires_at <= excluded.created_at THEN 0 ELSE ik.hits + 1 END,
+        last_hit_at = CASE WHEN ik.expires_at <= excluded.created_at THEN NULL
+                           ELSE excluded.created_at END,
+        message_id = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.message_id
+                          ELSE ik.message_id END,
+        created_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.created_at
+                          ELSE ik.created_at END,
+        expires_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.expires_at
+                          ELSE ik.expires_at END
+    RETURNING ik.tenant, ik.key, ik.message_id, ik.hits = 0 AS new
+),
+inserted AS (
+    INSERT INTO agent_messages (
+        id, tenant, pipeline, stage, source, source_id, idempotency_key, directive, context,
+        from_agent, to_agent, lane, priority, max_attempts, not_before, deadline,
+        created_at, updated_at)
+    SELECT keys.message_id, req.tenant, req.pipeline, req.stage, req.source, req.source_id,
+           req.key, req.directive, req.context, req.from_agent, req.to_agent, req.lane,
+           req.priority, req.max_attempts, coalesce(req.not_before, req.at), req.deadline,
+           req.at, req.at
+    FROM req JOIN keys ON keys.tenant = req.tenant AND keys.key = req.key
+    WHERE keys.new
+    RETURNING id
+)
+SELECT req.ord, keys.message_id AS id, keys.new
+FROM req JOIN keys ON keys.tenant = req.tenant AND keys.key = req.key
+ORDER BY req.ord;
+
+-- name: message_claim :many
+-- Lease up to `limit` pending messages in strict lane order (lanes given in claim order), skipping rows other claimers hold; each gets a fresh lease token.
+WITH picked AS MATERIALIZED (
+    SELECT c.id
+    FROM unnest(%(lanes)s::lane[]) AS l(lane)
+    CROSS JOIN LATERAL (
+        SELECT m.id
+        FROM agent_messages m
+        WHERE m.status = 'pending'
+          AND m.lane = l.lane
+          AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+          AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
+          AND (%(tenant)s::text IS NULL OR m.tenant = %(tenant)s::text)
+        ORDER BY m.priority DESC, m.not_before, m.id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+    LIMIT %(limit)s
+)
+UPDATE agent_messages m
+SET status = 'running',
+    attempts = m.attempts + 1,
+    lease_token = nextval('agent_messages_lease_token_seq'),
+    lease_expires_at = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
+    claimed_by = %(worker)s,
+    claimed_at = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = 'claimed',
+    status_actor = %(worker)s
+FROM picked
+WHERE m.id = picked.id
+RETURNING m.*;
+
+-- name: message_heartbeat :one
+-- Extend a lease if (and only if) it is still the current one; always report the row's status and token so the caller learns of cancellation or loss.
+WITH beat AS (
+    UPDATE agent_messages
+    SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval
+    WHERE id = %(id)s AND lease_token = %(token)s AND status = 'running'
+    RETURNING lease_expires_at
+)
+SELECT (SELECT lease_expires_at FROM beat) AS lease_expires_at, m.status, m.lease_token
+FROM agent_messages m
+WHERE m.id = %(id)s;
+
+-- name: message_complete :many
+-- Record results under their leases (a batch); a lease that is no longer current changes nothing and is reported with the row's status.
+WITH input AS (
+    SELECT * FROM unnest(%(id)s::bigint[], %(token)s::bigint[], %(result)s::jsonb[])
+        AS i(id, token, result)
+),
+done AS (
+    UPDATE agent_messages m
+    SET status = 'done',
+        result = i.result,
+        error = NULL,
+        lease_expires_at = NULL,
+        finished_at = coalesce(%(now)s::timestamptz, now()),
+        updated_at = coalesce(%(now)s::timestamptz, now()),
+        status_reason = 'completed',
+        status_actor = %(actor)s
+    FROM input i
+    WHERE m.id = i.id AND m.lease_token = i.token AND m.status = 'running'
+    RETURNING m.id
+)
+SELECT i.id, done.id IS NOT NULL AS applied, m.status, m.lease_token = i.token AS same_lease
+FROM input i
+LEFT JOIN done ON done.id = i.id
+LEFT JOIN agent_messages m ON m.id = i.id;
+
+-- name: message_fail :one
+-- Fail the current attempt under its lease: back to pending after `retry_delay`, or dead when attempts are used up.
+WITH failed AS (
+    UPDATE agent_messages m
+    SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
+                      ELSE 'pending' END::message_status,
+        not_before = coalesce(%(now)s::timestamptz, now()) + %(retry_delay)s::interval,
+        error = %(error)s,
+        lease_expires_at = NULL,
+        finished_at = CASE WHEN m.attempts >= m.max_attempts
+                           THEN coalesce(%(now)s::timestamptz, now()) END,
+        updated_at = coalesce(%(now)s::timestamptz, now()),
+        status_reason = CASE WHEN m.attempts >= m.max_attempts THEN 'attempts_exhausted'
+                             ELSE 'attempt_failed' END,
+        status_actor = %(actor)s
+    WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+    RETURNING m.status
+)
+SELECT (SELECT status FROM failed) AS new_status, m.status, m.lease_token = %(token)s AS same_lease
+FROM agent_messages m
+WHERE m.id = %(id)s;
+
+-- name: message_cancel :one
+-- Cancel a message in any non-terminal state; a running holder learns it at its next heartbeat or write.
+UPDATE agent_messages
+SET status = 'cancelled',
+    lease_expires_at = NULL,
+    finished_at = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+WHERE id = %(id)s
+  AND status NOT IN ('done', 'cancelled', 'expired')
+RETURNING id;
+
+-- name: message_expire_deadline :many
+-- Expire waiting or pending messages whose deadline has passed (a bounded batch), instead of running them late.
+WITH victims AS MATERIALIZED (
+    SELECT id FROM agent_messages
+    WHERE deadline <= coalesce(%(now)s::timestamptz, now())
+      AND deadline IS NOT NULL
+      AND status IN ('pending', 'awaiting_approval', 'held_budget', 'waiting_capability')
+    ORDER BY deadline
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE agent_messages m
+SET status = 'expired',
+    finished_at = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = 'deadline_passed',
+    status_actor = %(actor)s
+FROM victims
+WHERE m.id = victims.id
+RETURNING m.id;
+
+-- name: message_expire_queue_age :many
+-- Expire pending messages of one lane that waited longer than the lane's maximum queue age (a bounded batch).
+WITH victims AS MATERIALIZED (
+    SELECT id FROM agent_messages
+    WHERE status = 'pending'
+      AND lane = %(lane)s::lane
+      AND created_at < coalesce(%(now)s::timestamptz, now()) - %(max_age)s::interval
+    ORDER BY created_at
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE agent_messages m
+SET status = 'expired',
+    finished_at = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = 'max_queue_age',
+    status_actor = %(actor)s
+FROM victims
+WHERE m.id = victims.id
+RETURNING m.id;
+
+-- name: message_reclaim :many
+-- Return running messages whose lease expired (by the database clock unless `now` is given) to pending, or to dead when attempts are used up; a bounded batch.
+WITH stuck AS MATERIALIZED (
+    SELECT id FROM agent_messages
+    WHERE status = 'running'
+      AND lease_expires_at < coalesce(%(now)s::timestamptz, now())
+    ORDER BY lease_expires_at
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE agent_messages m
+SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
+                  ELSE 'pending' END::message_status,
+    not_before = coalesce(%(now)s::timestamptz, now()),
+    lease_expires_at = NULL,
+    error = 'lease expired (worker ' || coalesce(m.claimed_by, '?') || ' went silent)',
+    finished_at = CASE WHEN m.attempts >= m.max_attempts
+                       THEN coalesce(%(now)s::timestamptz, now()) END,
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = 'lease_expired',
+    status_actor = %(actor)s
+FROM stuck
+WHERE m.id = stuck.id
+RETURNING m.id;
+
+-- name: message_redrive :many
+-- Send dead messages back to pending with fresh attempts (all of the tenant's dead ones when `ids` is NULL).
+UPDATE agent_messages
+SET status = 'pending',
+    attempts = 0,
+    not_before = coalesce(%(now)s::timestamptz, now()),
+    finished_at = NULL,
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = 'redriven',
+    status_actor = %(actor)s
+WHERE status = 'dead'
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+RETURNING id;
+
+-- name: message_get :one
+-- One message by id (row-level security limits it to the transaction's tenant).
+SELECT * FROM agent_messages WHERE id = %(id)s;
+
+-- name: message_transitions :many
+-- The transition log of one message, oldest first.
+SELECT from_status, to_status, reason, actor, attempt, lease_token, at
+FROM message_transitions
+WHERE message_id = %(id)s
+ORDER BY id;
+
+-- name: bus_status :many
+-- Counts by lane and status, with the oldest pending age and oldest running lease age per lane.
+SELECT m.lane, m.status, count(*) AS n,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now())
+               - min(m.created_at) FILTER (WHERE m.status = 'pending')) AS oldest_pending_s,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now())
+               - min(m.claimed_at) FILTER (WHERE m.status = 'running')) AS oldest_lease_s
+FROM agent_messages m
+GROUP BY m.lane, m.status;

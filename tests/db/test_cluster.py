@@ -1,0 +1,314 @@
+"""Tests of the local PostgreSQL manager against real PostgreSQL binaries (no server needed)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from appliance.db.cluster import ADMIN_USER, MARKER, LocalCluster, find_bindir
+from appliance.domain.errors import ClusterError
+
+try:
+    BINDIR: Path | None = find_bindir()
+except ClusterError:
+    BINDIR = None
+
+pytestmark = pytest.mark.skipif(BINDIR is None, reason="PostgreSQL server binaries not installed")
+
+IS_ROOT = os.geteuid() == 0
+# Unix-socket "ports" only name files in a private folder, but keep clear of other test runs and
+# of any real server anyway.
+PORT = 55000 + os.getpid() % 4000
+
+
+def _fast_cluster(state_dir: Path) -> LocalCluster:
+    return LocalCluster(state_dir, port=PORT, extra_conf={"fsync": "off"})
+
+
+@pytest.fixture
+def reachable_dir() -> Iterator[Path]:
+    """A fresh folder under /tmp the postgres user can pass through.
+
+    Not tmp_path: pytest's /tmp/pytest-of-<user> is mode 0700, which would force the fallback.
+    """
+    path = Path(tempfile.mkdtemp(prefix="appliance-cluster-test-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(reachable_dir: Path) -> Iterator[LocalCluster]:
+    c = _fast_cluster(reachable_dir / "state")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _query(c: LocalCluster, query: str, dbname: str = "postgres") -> object:
+    with psycopg.connect(c.conninfo(dbname=dbname)) as conn:
+        row = conn.execute(query).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _gone(pid: int) -> bool:
+    """Dead or a zombie (PID 1 here may never reap the orphaned server processes)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_start_stop_restart(cluster: LocalCluster) -> None:
+    assert not cluster.initialized()
+    assert not cluster.status().running
+
+    cluster.start()
+
+    status = cluster.status()
+    assert status.running
+    assert status.initialized
+    assert status.pid is not None
+    assert status.port == PORT
+    assert BINDIR is not None
+    assert status.version is not None
+    assert status.version.startswith(BINDIR.parent.name)  # "15.x" from /usr/lib/postgresql/15/bin
+    # /tmp is reachable: no fallback, everything under the state dir.
+    assert cluster.data_dir == cluster.state_dir.resolve() / "pg" / "data"
+    assert cluster.socket_dir == cluster.state_dir.resolve() / "run"
+    assert cluster.log_file.is_file()
+    assert _query(cluster, "SELECT 1") == 1
+    assert _query(cluster, "SELECT current_user") == ADMIN_USER
+    assert _query(cluster, "SHOW data_checksums") == "on"
+    assert _query(cluster, "SHOW listen_addresses") == ""
+    assert _query(cluster, "SHOW fsync") == "off"
+    assert _query(cluster, "SHOW jit") == "off"
+    assert _query(cluster, "SHOW server_encoding") == "UTF8"
+    assert (cluster.data_dir / MARKER).is_file()
+    if IS_ROOT:
+        postgres_uid = pwd.getpwnam("postgres").pw_uid
+        assert cluster.data_dir.stat().st_uid == postgres_uid
+        assert cluster.socket_dir.stat().st_uid == postgres_uid
+
+    cluster.start()  # already running: a no-op
+    assert cluster.status().pid == status.pid
+
+    cluster.stop()
+    assert not cluster.status().running
+    assert not (cluster.data_dir / "postmaster.pid").exists()
+    cluster.stop()  # not running: a no-op
+
+    assert cluster.init() is False
+    cluster.start()
+    assert cluster.status().running
+    assert _query(cluster, "SELECT 1") == 1
+
+
+def test_conf_changes_apply_on_restart(reachable_dir: Path) -> None:
+    c = _fast_cluster(reachable_dir / "state")
+    try:
+        c.start()
+        c.stop()
+        c = LocalCluster(
+            reachable_dir / "state",
+            port=PORT,
+            extra_conf={"fsync": "off", "work_mem": "8MB", "application_name": "it's"},
+        )
+        c.start()
+        assert _query(c, "SHOW work_mem") == "8MB"
+        assert _query(c, "SHOW application_name") == "it's"
+    finally:
+        c.stop()
+
+
+def test_recovers_from_killed_postmaster(cluster: LocalCluster) -> None:
+    cluster.start()
+    pid = cluster.status().pid
+    assert pid is not None
+    children = _children(pid)
+    assert children, "a running postmaster has background workers"
+
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    # Children notice their postmaster died and exit on their own; wait so none still holds
+    # the shared memory when the next postmaster starts.
+    while not all(_gone(p) for p in [pid, *children]):
+        assert time.monotonic() < deadline, "postgres processes did not exit after SIGKILL"
+        time.sleep(0.05)
+    assert (cluster.data_dir / "postmaster.pid").exists()  # the crash left it behind
+    assert not cluster.status().running
+
+    cluster.start()
+
+    status = cluster.status()
+    assert status.running
+    assert status.pid != pid
+    assert _query(cluster, "SELECT 1") == 1
+
+
+def test_refuses_foreign_data_dir(reachable_dir: Path) -> None:
+    c = _fast_cluster(reachable_dir / "state")
+    c.data_dir.mkdir(parents=True)
+    (c.data_dir / "PG_VERSION").write_text("15\n")
+
+    with pytest.raises(ClusterError, match="not created by the appliance"):
+        c.start()
+    with pytest.raises(ClusterError, match="not created by the appliance"):
+        c.init()
+    with pytest.raises(ClusterError, match="not created by the appliance"):
+        c.stop()
+    assert sorted(p.name for p in c.data_dir.iterdir()) == ["PG_VERSION"]
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the traversal fallback only applies when run as root")
+def test_fallback_when_parent_blocks_postgres_user(
+    reachable_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    locked = reachable_dir / "locked"
+    locked.mkdir(mode=0o700)
+    locked.chmod(0o700)
+    state = locked / "state"
+    digest = hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:12]
+    fallback = Path("/var/tmp") / f"appliance-{digest}"
+    c = _fast_cluster(state)
+    try:
+        assert c.data_dir == fallback / "pg" / "data"
+        assert c.socket_dir == fallback / "run"
+
+        with caplog.at_level(logging.INFO, logger="appliance.db.cluster"):
+            c.start()
+
+        assert c.status().running
+        assert _query(c, "SELECT 1") == 1
+        assert f"{locked} blocks the postgres user" in caplog.text
+        assert str(fallback / "pg") in caplog.text
+        assert (fallback / "pg" / "data" / MARKER).is_file()
+        assert (state / "pg").is_symlink()
+        assert (state / "pg").resolve() == fallback / "pg"
+        assert (state / "run").is_symlink()
+        assert (state / "run").resolve() == fallback / "run"
+        assert (state / "pg" / "data" / MARKER).is_file()
+
+        # A second manager for the same state dir finds the same cluster through the links.
+        again = _fast_cluster(state)
+        assert again.data_dir == c.data_dir
+        assert again.status().running
+    finally:
+        c.stop()
+        shutil.rmtree(fallback, ignore_errors=True)
+    assert not c.status().running
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the traversal fallback only applies when run as root")
+def test_error_names_folder_when_fallback_blocked_too(
+    reachable_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locked = reachable_dir / "locked"
+    locked.mkdir(mode=0o700)
+    locked.chmod(0o700)
+    blocked_fallback_root = reachable_dir / "vartmp"
+    blocked_fallback_root.mkdir(mode=0o700)
+    blocked_fallback_root.chmod(0o700)
+    monkeypatch.setattr("appliance.db.cluster._FALLBACK_ROOT", blocked_fallback_root)
+
+    with pytest.raises(ClusterError) as err:
+        _fast_cluster(locked / "state")
+    assert f"{locked} blocks the postgres user" in str(err.value)
+    assert f"blocked too, by {blocked_fallback_root} " in str(err.value)
+
+
+def test_running_cluster_on_other_port_is_reported(cluster: LocalCluster) -> None:
+    cluster.start()
+    other = LocalCluster(cluster.state_dir, port=PORT + 1, extra_conf={"fsync": "off"})
+    with pytest.raises(ClusterError, match=f"already running on port {PORT}"):
+        other.start(timeout=5)
+    assert cluster.status().running
+
+
+def test_long_socket_path_falls_back(reachable_dir: Path) -> None:
+    state = reachable_dir / ("s" * 80) / "state"
+    c = LocalCluster(state, port=PORT)
+    digest = hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:12]
+    assert c.socket_dir == Path("/var/tmp") / f"appliance-{digest}" / "run"
+    assert c.data_dir == state.resolve() / "pg" / "data"
+    assert f"host={c.socket_dir} " in c.conninfo()
+
+
+def test_find_bindir(reachable_dir: Path) -> None:
+    assert find_bindir() == Path("/usr/lib/postgresql/15/bin")
+    assert find_bindir(BINDIR) == BINDIR
+    with pytest.raises(ClusterError, match=str(reachable_dir)) as err:
+        find_bindir(reachable_dir)
+    assert "initdb" in str(err.value)
+
+
+def test_find_bindir_reports_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr("appliance.db.cluster._DEBIAN_ROOT", Path("/nonexistent"))
+    with pytest.raises(ClusterError, match=r"apt-get install -y postgresql"):
+        find_bindir()
+
+
+def test_ensure_database(cluster: LocalCluster) -> None:
+    cluster.start()
+    assert cluster.ensure_database("appliance_test") is True
+    assert cluster.ensure_database("appliance_test") is False
+    assert _query(cluster, "SELECT current_database()", dbname="appliance_test") == (
+        "appliance_test"
+    )
+    owner = _query(
+        cluster,
+        "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = 'appliance_test'",
+    )
+    assert owner == ADMIN_USER
+    for bad in ("Bad", "1abc", "a-b", 'x"; DROP DATABASE postgres; --', "", "a" * 64):
+        with pytest.raises((ClusterError, ValueError)):
+            cluster.ensure_database(bad)
+
+
+def test_ensure_database_needs_running_cluster(reachable_dir: Path) -> None:
+    c = _fast_cluster(reachable_dir / "state")
+    with pytest.raises(ClusterError, match="start the cluster first"):
+        c.ensure_database("appliance_test")
+
+
+def test_psql_argv_reaches_cluster(cluster: LocalCluster) -> None:
+    cluster.start()
+    out = subprocess.run(
+        [*cluster.psql_argv(), "-XAtc", "SELECT 40 + 2"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    assert out.stdout.strip() == "42"

@@ -1,0 +1,347 @@
+"""The envelope against real PostgreSQL: idempotency, claims, fencing, life cycle, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from appliance.bus.core import Bus, BusConfig
+from appliance.db.database import Database, Endpoints
+from appliance.db.message_store import PgMessageStore, _enqueue_params
+from appliance.db.queries import q
+from appliance.domain.envelope import LEGAL_TRANSITIONS, Lane, MessageStatus
+from appliance.domain.errors import InvalidInput, UnknownTenant
+from appliance.domain.ports import AckOutcome, Completion, FailOutcome
+from appliance.domain.retry import RetryPolicy
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+
+
+def req(bus: Bus, sid: str, *, tenant: str = "acme", stage: str = "intake", **kw: object):
+    fields = {
+        "tenant": tenant,
+        "pipeline": "demo",
+        "stage": stage,
+        "source": "test",
+        "source_id": sid,
+        "directive": f"do {sid}",
+        **kw,
+    }
+    return bus.request(**fields)
+
+
+async def test_enum_and_transitions_match_python(db: Database) -> None:
+    async with db.system_conn() as conn:
+        rows = await (
+            await conn.execute("SELECT unnest(enum_range(NULL::message_status))::text AS v")
+        ).fetchall()
+        assert [r["v"] for r in rows] == [s.value for s in MessageStatus]
+        rows = await (
+            await conn.execute("SELECT unnest(enum_range(NULL::lane))::text AS v")
+        ).fetchall()
+        assert [r["v"] for r in rows] == [lane.value for lane in Lane]
+        rows = await (
+            await conn.execute(
+                "SELECT from_status::text AS f, to_status::text AS t"
+                " FROM message_status_transitions"
+            )
+        ).fetchall()
+    assert {(r["f"], r["t"]) for r in rows} == {(a.value, b.value) for a, b in LEGAL_TRANSITIONS}
+
+
+async def test_submit_twice_is_new_then_duplicate(bus: Bus) -> None:
+    first = await bus.enqueue(**vars_of(req(bus, "1")))
+    again = await bus.enqueue(**vars_of(req(bus, "1")))
+    assert first.new and not again.new and first.id == again.id
+    other_stage = await bus.enqueue(**vars_of(req(bus, "1", stage="review")))
+    assert other_stage.new and other_stage.id != first.id
+
+
+def vars_of(request) -> dict[str, Any]:
+    """Turn a built request back into enqueue keyword arguments."""
+    return {
+        "tenant": request.tenant,
+        "pipeline": request.pipeline,
+        "stage": request.stage,
+        "source": request.source,
+        "source_id": request.source_id,
+        "directive": request.directive,
+        "context": json.loads(request.context_json),
+        "lane": request.lane,
+    }
+
+
+async def test_same_key_64_concurrent_enqueues(fresh_db: Endpoints, tenants_ready) -> None:
+    database = Database(fresh_db, min_size=64, max_size=64)
+    await database.open()
+    try:
+        bus = Bus(PgMessageStore(database))
+        for round_ in range(5):
+            barrier = asyncio.Barrier(64)
+
+            async def one(round_: int = round_, barrier: asyncio.Barrier = barrier):
+                request = req(bus, f"race-{round_}")
+                await barrier.wait()
+                (result,) = await bus.enqueue_many([request])
+                return result
+
+            results = await asyncio.gather(*(one() for _ in range(64)))
+            assert len({r.id for r in results}) == 1
+            assert sum(r.new for r in results) == 1
+            async with database.system_conn() as conn:
+                row = await (
+                    await conn.execute(
+                        "SELECT count(*) AS n FROM agent_messages WHERE source_id = %s",
+                        (f"race-{round_}",),
+                    )
+                ).fetchone()
+                assert row is not None and row["n"] == 1
+                hits = await (
+                    await conn.execute(
+                        "SELECT hits FROM idempotency_keys WHERE message_id = %s", (results[0].id,)
+                    )
+                ).fetchone()
+                assert hits is not None and hits["hits"] == 63
+    finally:
+        await database.close()
+
+
+@pytest.fixture
+async def tenants_ready(tenants) -> None:
+    for name in ("acme", "globex"):
+        await tenants.add(name)
+
+
+async def test_same_key_in_two_tenants_gives_two_rows(bus: Bus) -> None:
+    a = await bus.enqueue_many([req(bus, "k", tenant="acme")])
+    b = await bus.enqueue_many([req(bus, "k", tenant="globex")])
+    assert a[0].new and b[0].new and a[0].id != b[0].id
+
+
+async def test_first_inserter_rolls_back_next_is_new(bus: Bus, db: Database) -> None:
+    request = req(bus, "rollback")
+    params = _enqueue_params([request], timedelta(days=90), None)
+    async with db.app_pool.connection() as conn:
+        await conn.set_autocommit(False)
+        await conn.execute(q("tenant_set"), {"tenant": "acme"})
+        await (await conn.execute(q("message_enqueue"), params)).fetchall()
+        # A second enqueue of the same key now waits on the uncommitted key row.
+        second = asyncio.create_task(bus.enqueue_many([request]))
+        await asyncio.sleep(0.3)
+        assert not second.done()
+        await conn.rollback()
+        await conn.set_autocommit(True)
+    (result,) = await asyncio.wait_for(second, 10)
+    assert result.new
+    assert (await bus.get("acme", result.id)) is not None
+
+
+async def test_duplicates_inside_one_batch(bus: Bus) -> None:
+    results = await bus.enqueue_many([req(bus, "x"), req(bus, "y"), req(bus, "x")])
+    assert [r.new for r in results] == [True, True, False]
+    assert results[0].id == results[2].id
+
+
+async def test_key_reused_after_retention(bus: Bus) -> None:
+    short = Bus(bus.store, BusConfig(idempotency_retention=timedelta(days=1)))
+    first = await short.enqueue(now=T0, **vars_of(req(bus, "old")))
+    dup = await short.enqueue(now=T0 + timedelta(hours=23), **vars_of(req(bus, "old")))
+    later = await short.enqueue(now=T0 + timedelta(days=2), **vars_of(req(bus, "old")))
+    assert first.new and not dup.new and dup.id == first.id
+    assert later.new and later.id != first.id
+
+
+async def test_four_claimers_claim_everything_once_in_lane_order(bus: Bus, db: Database) -> None:
+    lanes = [Lane.BATCH, Lane.INTERACTIVE, Lane.SYSTEM]
+    requests = [req(bus, str(i), lane=lanes[i % 3]) for i in range(10_000)]
+    for start in range(0, len(requests), 1000):
+        await bus.enqueue_many(requests[start : start + 1000], now=T0)
+    claimed: list[tuple[int, int, Lane]] = []
+
+    async def claimer(name: str) -> None:
+        while True:
+            batch = await bus.claim(name, limit=10, now=T0 + timedelta(seconds=1))
+            if not batch:
+                return
+            claimed.extend((m.id, m.lease_token or 0, m.lane) for m in batch)
+
+    await asyncio.gather(*(claimer(f"w{i}") for i in range(4)))
+    ids = [c[0] for c in claimed]
+    assert len(ids) == 10_000 and len(set(ids)) == 10_000
+    # Strict lane order: a lower lane starts only when the higher one is drained, give or take
+    # the batches other claimers held at that instant (4 claimers x 10).
+    first_token = {lane: min(t for _, t, ln in claimed if ln is lane) for lane in Lane}
+    late_interactive = sum(
+        1 for _, t, ln in claimed if ln is Lane.INTERACTIVE and t > first_token[Lane.SYSTEM]
+    )
+    late_system = sum(
+        1 for _, t, ln in claimed if ln is Lane.SYSTEM and t > first_token[Lane.BATCH]
+    )
+    assert late_interactive <= 40 and late_system <= 40
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT count(*) AS n FROM message_transitions WHERE to_status = 'running'"
+            )
+        ).fetchone()
+    assert row is not None and row["n"] == 10_000
+
+
+async def test_stale_worker_cannot_write(bus: Bus) -> None:
+    await bus.enqueue(now=T0, **vars_of(req(bus, "s")))
+    (old,) = await bus.claim("old", lease=timedelta(seconds=30), now=T0)
+    assert await bus.reclaim(now=T0 + timedelta(seconds=31)) == [old.id]
+    (new,) = await bus.claim("new", lease=timedelta(seconds=30), now=T0 + timedelta(seconds=32))
+    assert new.id == old.id and new.lease_token != old.lease_token and new.attempts == 2
+    at = T0 + timedelta(seconds=33)
+    assert (await bus.heartbeat(old.lease, now=at)).outcome is AckOutcome.STALE
+    assert await bus.complete(old.lease, {"by": "old"}, now=at) is AckOutcome.STALE
+    assert await bus.fail(old, "late", now=at) is FailOutcome.STALE
+    current = await bus.get("acme", new.id)
+    assert current is not None and current.status is MessageStatus.RUNNING
+    assert current.lease_token == new.lease_token and current.error != "late"
+    assert await bus.complete(new.lease, {"by": "new"}, now=at) is AckOutcome.APPLIED
+    done = await bus.get("acme", new.id)
+    assert done is not None and done.status is MessageStatus.DONE and done.result == {"by": "new"}
+    log = await bus.store.transitions("acme", new.id)  # type: ignore[attr-defined]
+    assert [(r["from_status"], r["to_status"], r["reason"]) for r in log] == [
+        (None, "pending", "enqueued"),
+        ("pending", "running", "claimed"),
+        ("running", "pending", "lease_expired"),
+        ("pending", "running", "claimed"),
+        ("running", "done", "completed"),
+    ]
+
+
+async def test_heartbeat_extends_and_reports_cancel(bus: Bus) -> None:
+    await bus.enqueue(now=T0, **vars_of(req(bus, "hb")))
+    (m,) = await bus.claim("w", lease=timedelta(seconds=10), now=T0)
+    beat = await bus.heartbeat(m.lease, extend=timedelta(seconds=10), now=T0 + timedelta(seconds=8))
+    assert beat.keep_going and beat.lease_expires_at == T0 + timedelta(seconds=18)
+    assert await bus.reclaim(now=T0 + timedelta(seconds=12)) == []
+    assert await bus.cancel("acme", m.id, reason="operator said stop")
+    assert (
+        await bus.heartbeat(m.lease, now=T0 + timedelta(seconds=13))
+    ).outcome is AckOutcome.CANCELLED
+    assert await bus.complete(m.lease, None) is AckOutcome.CANCELLED
+    assert await bus.fail(m, "x") is FailOutcome.CANCELLED
+    assert not await bus.cancel("acme", m.id)
+
+
+async def test_retry_backoff_then_dead_then_redrive(store: PgMessageStore, tenants) -> None:
+    await tenants.add("acme")
+    bus = Bus(store, BusConfig(max_attempts=3, retry=RetryPolicy(base=timedelta(seconds=10))))
+    await bus.enqueue(now=T0, **vars_of(req(bus, "r")))
+    at = T0
+    for attempt in (1, 2):
+        (m,) = await bus.claim("w", now=at)
+        assert m.attempts == attempt
+        assert await bus.fail(m, f"boom {attempt}", now=at) is FailOutcome.RETRY
+        again = await bus.get("acme", m.id)
+        assert again is not None and again.status is MessageStatus.PENDING
+        delay = again.not_before - at
+        ceiling = timedelta(seconds=10 * 2 ** (attempt - 1))
+        assert ceiling / 2 <= delay <= ceiling
+        assert await bus.claim("w", now=at) == []  # not before the backoff
+        at = again.not_before
+    (m,) = await bus.claim("w", now=at)
+    assert await bus.fail(m, "boom 3", now=at) is FailOutcome.DEAD
+    dead = await bus.get("acme", m.id)
+    assert dead is not None and dead.status is MessageStatus.DEAD and dead.error == "boom 3"
+    assert await bus.redrive("acme", now=at) == 1
+    (m,) = await bus.claim("w", now=at)
+    assert m.attempts == 1
+
+
+async def test_expire_deadline_and_queue_age(store: PgMessageStore, tenants) -> None:
+    await tenants.add("acme")
+    bus = Bus(store, BusConfig(max_queue_age={Lane.INTERACTIVE: timedelta(minutes=5)}))
+    a = await bus.enqueue(now=T0, deadline=T0 + timedelta(minutes=1), **vars_of(req(bus, "d")))
+    b = await bus.enqueue(now=T0, **vars_of(req(bus, "age")))
+    c = await bus.enqueue(now=T0, **vars_of(req(bus, "batch", lane=Lane.BATCH)))
+    # Past its deadline a message is not run even before the expirer sweeps it.
+    claimed = await bus.claim("w", limit=10, now=T0 + timedelta(minutes=2))
+    assert {m.id for m in claimed} == {b.id, c.id}
+    for m in claimed:
+        await bus.fail(m, "again", now=T0 + timedelta(minutes=2))
+    assert await bus.expire(now=T0 + timedelta(minutes=10)) == 2
+    for mid, status in ((a.id, "expired"), (b.id, "expired"), (c.id, "pending")):
+        got = await bus.get("acme", mid)
+        assert got is not None and got.status == status
+
+
+async def test_illegal_transition_refused_by_database(bus: Bus, db: Database) -> None:
+    r = await bus.enqueue(**vars_of(req(bus, "ill")))
+    (m,) = await bus.claim("w")
+    await bus.complete(m.lease, None)
+    with pytest.raises(psycopg.errors.CheckViolation, match="illegal status change"):
+        async with db.system_conn() as conn:
+            await conn.execute(
+                "UPDATE agent_messages SET status = 'running', lease_expires_at = now()"
+                " WHERE id = %s",
+                (r.id,),
+            )
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"directive": "   "}, "directive"),
+        ({"lane": "fast"}, "lane"),
+        ({"context": {"blob": "x" * (1024 * 1024)}}, "context"),
+        ({"context": {"s": {1, 2}}}, "context"),
+        ({"deadline": datetime(2020, 1, 1, tzinfo=UTC)}, "deadline"),
+        ({"deadline": datetime(2030, 1, 1)}, "deadline"),
+        ({"tenant": "Not A Name"}, "tenant"),
+        ({"priority": 5000}, "priority"),
+    ],
+)
+async def test_bad_input_names_the_field_and_writes_nothing(
+    bus: Bus, db: Database, fields: dict[str, Any], field: str
+) -> None:
+    base = vars_of(req(bus, "bad"))
+    with pytest.raises(InvalidInput) as info:
+        await bus.enqueue(now=datetime.now(UTC), **{**base, **fields})
+    assert info.value.field == field
+    async with db.system_conn() as conn:
+        row = await (await conn.execute("SELECT count(*) AS n FROM agent_messages")).fetchone()
+    assert row is not None and row["n"] == 0
+
+
+async def test_unknown_tenant_in_a_batch_writes_nothing(bus: Bus, db: Database) -> None:
+    with pytest.raises(UnknownTenant, match="initech"):
+        await bus.enqueue_many([req(bus, "1"), req(bus, "2", tenant="initech")])
+    with pytest.raises(UnknownTenant):
+        await bus.enqueue_many([req(bus, "3", tenant="initech")])
+    async with db.system_conn() as conn:
+        row = await (await conn.execute("SELECT count(*) AS n FROM agent_messages")).fetchone()
+        keys = await (await conn.execute("SELECT count(*) AS n FROM idempotency_keys")).fetchone()
+    assert row is not None and row["n"] == 0 and keys is not None and keys["n"] == 0
+
+
+async def test_status_counts_and_ages(bus: Bus) -> None:
+    await bus.enqueue(now=T0, **vars_of(req(bus, "1")))
+    await bus.enqueue(now=T0 + timedelta(seconds=30), **vars_of(req(bus, "2", lane=Lane.BATCH)))
+    await bus.claim("w", lanes=[Lane.BATCH], now=T0 + timedelta(seconds=40))
+    st = await bus.status(now=T0 + timedelta(seconds=100))
+    assert st.lanes[Lane.INTERACTIVE].counts[MessageStatus.PENDING] == 1
+    assert st.lanes[Lane.INTERACTIVE].oldest_pending_age_s == pytest.approx(100)
+    assert st.lanes[Lane.BATCH].counts[MessageStatus.RUNNING] == 1
+    assert st.lanes[Lane.BATCH].oldest_running_lease_age_s == pytest.approx(60)
+    assert st.tenants == 2
+
+
+async def test_batched_completion(bus: Bus) -> None:
+    await bus.enqueue_many([req(bus, str(i)) for i in range(20)])
+    claimed = await bus.claim("w", limit=20)
+    outcomes = await bus.complete_many([Completion(m.lease, {"i": m.id}) for m in claimed])
+    assert outcomes == [AckOutcome.APPLIED] * 20
+    assert (
+        await bus.complete_many([Completion(m.lease) for m in claimed[:3]])
+        == [AckOutcome.STALE] * 3
+    )

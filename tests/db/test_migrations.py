@@ -1,0 +1,136 @@
+"""Migrations: from empty equals sql/schema.sql, concurrent runs are safe, changed files refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from appliance.db.cluster import find_bindir
+from appliance.db.migrate import discover, migrate
+from appliance.db.queries import sql_dir
+from appliance.db.schema_dump import dump_schema
+from appliance.domain.errors import MigrationError
+from tests.pgserver import PgTestServer
+
+SCHEMA = sql_dir() / "schema.sql"
+
+
+@pytest.fixture
+def empty_db(pg_server: PgTestServer) -> Iterator[str]:
+    name = pg_server.create_empty()
+    try:
+        yield pg_server.endpoints(name).admin
+    finally:
+        pg_server.drop(name)
+
+
+def _applied(conninfo: str) -> list[tuple[int, str]]:
+    with psycopg.connect(conninfo) as conn:
+        rows = conn.execute(
+            "SELECT version, checksum FROM appliance.schema_migrations ORDER BY version"
+        ).fetchall()
+    return [(r[0], r[1]) for r in rows]
+
+
+def test_migrating_from_empty_equals_schema_snapshot(empty_db: str) -> None:
+    report = migrate(empty_db)
+    assert report.applied == [m.version for m in discover()]
+    dumped = dump_schema(find_bindir() / "pg_dump", empty_db)
+    if os.environ.get("APPLIANCE_UPDATE_SCHEMA") == "1":
+        SCHEMA.write_text(dumped)
+    assert dumped == SCHEMA.read_text(), (
+        "sql/schema.sql is out of date: regenerate it with "
+        "APPLIANCE_UPDATE_SCHEMA=1 pytest tests/db/test_migrations.py"
+    )
+
+
+def test_migrate_is_idempotent(empty_db: str) -> None:
+    migrate(empty_db)
+    again = migrate(empty_db)
+    assert again.applied == []
+    assert again.already == [m.version for m in discover()]
+
+
+def test_two_concurrent_migrations_are_safe(empty_db: str) -> None:
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def run() -> None:
+        try:
+            barrier.wait()
+            migrate(empty_db)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [v for v, _ in _applied(empty_db)] == [m.version for m in discover()]
+
+
+def test_changed_applied_file_is_refused_and_nothing_changes(
+    empty_db: str, tmp_path: Path
+) -> None:
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    migrations = sorted((copy / "migrations").glob("*.sql"))
+    # Apply all but the last, then change an applied file and add nothing else.
+    last = migrations[-1]
+    held = last.read_text()
+    last.unlink()
+    migrate(empty_db, copy)
+    before = _applied(empty_db)
+    last.write_text(held)
+    first = migrations[0]
+    first.write_text(first.read_text() + "\n-- an edit after the fact\n")
+    with pytest.raises(MigrationError, match="was changed after it was applied"):
+        migrate(empty_db, copy)
+    assert _applied(empty_db) == before  # the pending last migration was not applied either
+
+
+def test_database_newer_than_code_is_refused(empty_db: str, tmp_path: Path) -> None:
+    migrate(empty_db)
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    sorted((copy / "migrations").glob("*.sql"))[-1].unlink()
+    with pytest.raises(MigrationError, match="newer than the code"):
+        migrate(empty_db, copy)
+
+
+def test_misnamed_or_gapped_files_are_errors(tmp_path: Path) -> None:
+    (tmp_path / "migrations").mkdir()
+    (tmp_path / "migrations" / "0001_a.sql").write_text("SELECT 1;")
+    (tmp_path / "migrations" / "0003_c.sql").write_text("SELECT 1;")
+    with pytest.raises(MigrationError, match="expected version 0002"):
+        discover(tmp_path)
+    (tmp_path / "migrations" / "0003_c.sql").rename(tmp_path / "migrations" / "2_c.sql")
+    with pytest.raises(MigrationError, match="NNNN_lowercase_name"):
+        discover(tmp_path)
+
+
+def test_runtime_roles_own_nothing(empty_db: str) -> None:
+    migrate(empty_db)
+    with psycopg.connect(empty_db) as conn:
+        owned = conn.execute(
+            "SELECT c.relname, pg_get_userbyid(c.relowner) FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'appliance'"
+            " AND pg_get_userbyid(c.relowner) <> 'appliance_owner'"
+        ).fetchall()
+        assert owned == []
+        flags = conn.execute(
+            "SELECT rolname, rolsuper, rolbypassrls, rolcreaterole, rolcreatedb FROM pg_roles"
+            " WHERE rolname IN ('appliance_app', 'appliance_system') ORDER BY rolname"
+        ).fetchall()
+    assert flags == [
+        ("appliance_app", False, False, False, False),
+        ("appliance_system", False, False, False, False),
+    ]
