@@ -71,7 +71,10 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
         conninfo = {"admin": ends.admin, "app": ends.app, "system": ends.system}[args.role]
         argv = client_argv(pg_tool(settings, "psql"), conninfo)
         env = dict(os.environ, PGOPTIONS="-c search_path=appliance,pg_catalog")
-        os.execvpe(argv[0], argv + list(args.psql_args), env)
+        extra = list(args.psql_args)
+        if extra[:1] == ["--"]:
+            extra = extra[1:]
+        os.execvpe(argv[0], argv + extra, env)
     if cluster is None:
         print("database: external server (APPLIANCE_DATABASE_URL); the appliance manages nothing")
         return 0

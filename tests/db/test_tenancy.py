@@ -1,0 +1,136 @@
+"""Row-level security: a tenant sees and touches only its own rows; no tenant means no rows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+from appliance.bus.core import Bus
+from appliance.db.database import Database
+from appliance.db.message_store import _enqueue_params
+from appliance.db.queries import q
+from appliance.domain.envelope import Lane
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+TABLES = ("agent_messages", "idempotency_keys", "message_transitions")
+
+
+async def _seed(bus: Bus) -> dict[str, list[int]]:
+    ids: dict[str, list[int]] = {}
+    for tenant in ("acme", "globex"):
+        results = await bus.enqueue_many(
+            [
+                bus.request(
+                    tenant=tenant,
+                    pipeline="demo",
+                    stage="intake",
+                    source="t",
+                    source_id=str(i),
+                    directive="work",
+                    lane=Lane.BATCH if i % 2 else Lane.INTERACTIVE,
+                )
+                for i in range(5)
+            ],
+            now=T0,
+        )
+        ids[tenant] = [r.id for r in results]
+    # Give globex some history: one done, one dead.
+    claimed = await bus.claim("w", tenant="globex", limit=2, now=T0)
+    await bus.complete(claimed[0].lease, {"ok": True}, now=T0)
+    await bus.store.fail(  # type: ignore[call-arg]
+        claimed[1].lease, error="x", retry_delay=timedelta(0), actor="w", now=T0
+    )
+    return ids
+
+
+async def _count(conn: psycopg.AsyncConnection, table: str) -> int:  # type: ignore[type-arg]
+    row = await (await conn.execute(f"SELECT count(*) AS n FROM {table}")).fetchone()
+    assert row is not None
+    return int(row["n"])
+
+
+async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> None:
+    ids = await _seed(bus)
+    theirs = ids["globex"]
+    # Every read path of the API, as acme, on globex's ids.
+    for mid in theirs:
+        assert await bus.get("acme", mid) is None
+        assert await bus.store.transitions("acme", mid) == []  # type: ignore[attr-defined]
+        assert not await bus.cancel("acme", mid)
+    assert await bus.redrive("acme", theirs) == 0
+    assert await bus.redrive("acme") == 0
+    # A tenant-scoped claim only ever leases the tenant's own work.
+    got = await bus.claim("w", tenant="acme", limit=100, now=T0)
+    assert {m.tenant for m in got} == {"acme"}
+    assert len(got) == 5
+    # Raw SQL as the app role: counts, updates and inserts across the boundary.
+    async with db.tenant_tx("acme") as conn:
+        assert await _count(conn, "agent_messages") == 5
+        assert await _count(conn, "idempotency_keys") == 5
+        assert await _count(conn, "message_transitions") == 10  # enqueued + claimed
+        cur = await conn.execute(
+            "UPDATE agent_messages SET priority = 7 WHERE id = ANY(%s)", (theirs,)
+        )
+        assert cur.rowcount == 0
+        cur = await conn.execute("UPDATE idempotency_keys SET hits = 99 WHERE tenant = 'globex'")
+        assert cur.rowcount == 0
+    # Writing a row for another tenant is refused, not silently dropped.
+    request = bus.request(
+        tenant="globex", pipeline="demo", stage="x", source="t", source_id="evil", directive="d"
+    )
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+        async with db.tenant_tx("acme") as conn:
+            await conn.execute(
+                q("message_enqueue"), _enqueue_params([request], timedelta(days=1), None)
+            )
+    # globex's rows are untouched.
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT count(*) FILTER (WHERE priority = 7) AS p, count(*) AS n"
+                " FROM agent_messages WHERE tenant = 'globex'"
+            )
+        ).fetchone()
+    assert row is not None and row["p"] == 0 and row["n"] == 5
+
+
+async def test_no_tenant_set_sees_nothing_and_writes_nothing(bus: Bus, db: Database) -> None:
+    await _seed(bus)
+    async with db.app_pool.connection() as conn:
+        for table in TABLES:
+            assert await _count(conn, table) == 0
+        cur = await conn.execute("UPDATE agent_messages SET priority = 3")
+        assert cur.rowcount == 0
+        # Empty (a reset SET LOCAL leaves '') is the same as unset: fail closed.
+        async with conn.transaction():
+            await conn.execute("SELECT set_config('appliance.tenant', '', true)")
+            assert await _count(conn, "agent_messages") == 0
+
+
+async def test_tenant_setting_does_not_leak_to_the_next_pool_user(
+    bus: Bus, db: Database
+) -> None:
+    await _seed(bus)
+    async with db.tenant_tx("acme") as conn:
+        assert await _count(conn, "agent_messages") == 5
+    # The same pool (one connection may serve both), no tenant set this time.
+    for _ in range(3):
+        async with db.app_pool.connection() as conn:
+            assert await _count(conn, "agent_messages") == 0
+
+
+async def test_runtime_roles_cannot_forge_the_log(bus: Bus, db: Database) -> None:
+    await _seed(bus)
+    for make in (lambda: db.tenant_tx("acme"), db.system_tx):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            async with make() as conn:
+                await conn.execute(
+                    "INSERT INTO message_transitions"
+                    " (tenant, message_id, to_status, reason, actor, attempt, at)"
+                    " VALUES ('acme', 1, 'done', 'forged', 'x', 0, now())"
+                )
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            async with make() as conn:
+                await conn.execute("DELETE FROM agent_messages")

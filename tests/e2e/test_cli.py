@@ -1,0 +1,128 @@
+"""The `appliance` command as a user runs it: real processes against real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.db.database import Endpoints
+
+APPLIANCE = [sys.executable, "-m", "appliance.cli"]
+
+
+def run(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [*APPLIANCE, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"appliance {' '.join(args)} -> {proc.returncode}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def env(fresh_db: Endpoints) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    return {**clean, "APPLIANCE_DATABASE_URL": fresh_db.admin}
+
+
+def test_submit_twice_prints_same_id_new_then_duplicate(env: dict[str, str]) -> None:
+    assert run(env, "tenant", "add", "acme").stdout.strip() == "acme added"
+    assert run(env, "tenant", "add", "acme").stdout.strip() == "acme exists"
+    args = [
+        "submit", "--tenant", "acme", "--pipeline", "demo", "--stage", "intake",
+        "--source", "cli", "--source-id", "42", "--directive", "triage this",
+        "--context", '{"ticket": 42}',
+    ]  # fmt: skip
+    first = run(env, *args).stdout.split()
+    second = run(env, *args).stdout.split()
+    assert first[1] == "new" and second[1] == "duplicate" and first[0] == second[0]
+    status = json.loads(run(env, "status", "--json").stdout)
+    assert status["lanes"]["interactive"]["pending"] == 1
+    assert status["lanes"]["batch"]["pending"] == 0
+    assert status["ages"]["interactive"]["oldest_pending_s"] >= 0
+    shown = json.loads(run(env, "bus", "show", "--tenant", "acme", first[0]).stdout)
+    assert shown["context"] == {"ticket": 42}
+    assert [t["to_status"] for t in shown["transitions"]] == ["pending"]
+    assert run(env, "bus", "cancel", "--tenant", "acme", first[0]).stdout.strip() == "cancelled"
+    assert "interactive" in run(env, "status").stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--lane", "urgent"], "lane: unknown lane 'urgent'"),
+        (["--context", "{not json"], "context: is not valid JSON"),
+        (["--context", "@/nonexistent/file.json"], "context: cannot read"),
+        (["--deadline", "tomorrow"], "deadline: 'tomorrow' is not an ISO 8601 time"),
+        (["--deadline", "2020-01-01T00:00:00Z"], "deadline: 2020-01-01T00:00:00+00:00 is not in"),
+        (["--tenant", "nobody"], "tenant: unknown tenant 'nobody'"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_writes_nothing(
+    env: dict[str, str], extra: list[str], needle: str
+) -> None:
+    run(env, "tenant", "add", "acme")
+    base = {
+        "--tenant": "acme", "--pipeline": "demo", "--stage": "intake", "--source": "cli",
+        "--source-id": "1", "--directive": "x",
+    }  # fmt: skip
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        base[flag] = value
+    argv = [item for pair in base.items() for item in pair]
+    proc = run(env, "submit", *argv, check=False)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    status = json.loads(run(env, "status", "--json").stdout)
+    assert sum(sum(lane.values()) for lane in status["lanes"].values()) == 0
+
+
+def test_oversized_context_file_names_the_limit(env: dict[str, str], tmp_path: Path) -> None:
+    run(env, "tenant", "add", "acme")
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"blob": "x" * (1024 * 1024 + 10)}))
+    proc = run(
+        env, "submit", "--tenant", "acme", "--pipeline", "p", "--stage", "s", "--source", "c",
+        "--source-id", "1", "--directive", "d", "--context", f"@{big}", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "over the limit of 1048576 bytes" in proc.stderr
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="appliance-cli-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_local_cluster_lifecycle_from_the_cli(state_dir: Path) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    env = {**clean, "APPLIANCE_STATE_DIR": str(state_dir), "APPLIANCE_DB__PORT": "5433"}
+    try:
+        assert run(env, "db", "status", check=False).returncode == 3
+        assert "running" in run(env, "db", "start").stdout
+        assert "running" in run(env, "db", "start").stdout  # idempotent
+        assert "applied [1, 2]" in run(env, "db", "migrate").stdout
+        assert "applied none" in run(env, "db", "migrate").stdout
+        run(env, "tenant", "add", "acme")
+        out = run(
+            env, "submit", "--tenant", "acme", "--pipeline", "demo", "--stage", "intake",
+            "--source", "cli", "--source-id", "1", "--directive", "hi",
+        ).stdout  # fmt: skip
+        assert out.endswith("new\n")
+        psql = run(env, "db", "psql", "--", "-tAc", "SELECT count(*) FROM agent_messages")
+        assert psql.stdout.strip() == "1"
+        assert (state_dir / "pg" / "data" / "appliance-cluster.json").exists()
+    finally:
+        run(env, "db", "stop", check=False)
+    assert run(env, "db", "status", check=False).returncode == 3
