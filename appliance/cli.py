@@ -7,7 +7,9 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +21,7 @@ from appliance.db.schema_dump import dump_schema
 from appliance.domain.envelope import WAITING, Lane, MessageStatus, decode_context
 from appliance.domain.errors import ApplianceError, InvalidInput
 from appliance.domain.ports import BusStatus
-from appliance.runtime import endpoints, local_cluster, pg_tool, services
+from appliance.runtime import endpoints, local_cluster, pg_tool, run_runner, services
 from appliance.settings import Settings
 
 
@@ -82,8 +84,8 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
         cluster.start()
         created = cluster.ensure_database(settings.db.name)
         st = cluster.status()
-        extra = " (database created)" if created else ""
-        print(f"database: running, pid {st.pid}, socket {st.socket_dir}, port {st.port}{extra}")
+        note = " (database created)" if created else ""
+        print(f"database: running, pid {st.pid}, socket {st.socket_dir}, port {st.port}{note}")
     elif action == "stop":
         cluster.stop()
         print("database: stopped")
@@ -142,6 +144,25 @@ def status_json(st: BusStatus) -> dict[str, Any]:
     return {
         "at": st.at.isoformat(),
         "tenants": st.tenants,
+        "runners": [
+            {
+                "id": r.id,
+                "alive": r.alive,
+                "seen_age_s": r.seen_age_s,
+                "listener_connected": r.listener_connected,
+                "last_missed_wakeup_age_s": r.last_missed_wakeup_age_s,
+                "missed_wakeups": r.missed_wakeups,
+                "claimed": r.claimed,
+                "completed": r.completed,
+                "failed": r.failed,
+                "stats": r.stats,
+            }
+            for r in st.runners
+        ],
+        "listener_connected": any(r.alive and r.listener_connected for r in st.runners),
+        "reclaims_last_hour": st.reclaims_last_hour,
+        "dedup_keys_hit_last_hour": st.dedup_keys_hit_last_hour,
+        "stages": st.stages,
         "lanes": {
             lane.value: {s.value: n for s, n in counts.counts.items()}
             for lane, counts in st.lanes.items()
@@ -190,6 +211,22 @@ def status_text(st: BusStatus) -> str:
             + "".join(f"{v:>10}" for v in values)
             + f"{_age(lc.oldest_pending_age_s):>16}{_age(lc.oldest_running_lease_age_s):>14}"
         )
+    alive = [r for r in st.runners if r.alive]
+    listening = any(r.listener_connected for r in alive)
+    missed = [r.last_missed_wakeup_age_s for r in alive if r.last_missed_wakeup_age_s is not None]
+    lines.append(
+        f"runners: {len(alive)} alive; listener {'connected' if listening else 'NOT connected'};"
+        f" last poll that found missed work: {_age(min(missed)) + ' ago' if missed else 'never'}"
+    )
+    lines.append(
+        f"last hour: {st.reclaims_last_hour} reclaims, "
+        f"{st.dedup_keys_hit_last_hour} idempotency keys hit by duplicates"
+    )
+    if st.stages:
+        lines.append("stages:")
+        for stage, counts in st.stages.items():
+            shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            lines.append(f"  {stage:<28} {shown}")
     return "\n".join(lines)
 
 
@@ -225,6 +262,55 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             print(f"reclaimed: {len(await svc.bus.reclaim())}")
         elif args.bus_action == "expire":
             print(f"expired: {await svc.bus.expire()}")
+    return 0
+
+
+async def cmd_runner(settings: Settings, args: argparse.Namespace) -> int:
+    if args.concurrency is not None:
+        settings.runner.concurrency = args.concurrency
+    if args.no_listen:
+        settings.runner.listen = False
+    if args.pipeline_module:
+        settings.runner.pipeline_modules = [
+            *settings.runner.pipeline_modules,
+            *args.pipeline_module,
+        ]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run_runner(settings, stop)
+    return 0
+
+
+async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+    """Submit demo work and show it flowing through the stages until it is done."""
+    async with services(settings) as svc:
+        await svc.tenants.add("demo")
+        batch = f"{int(time.time())}"
+        words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+        requests = [
+            svc.bus.request(
+                tenant="demo",
+                pipeline="demo",
+                stage="intake",
+                source="demo",
+                source_id=f"{batch}-{i}",
+                directive=" ".join(words[: 1 + i % len(words)]),
+                context={"delay_ms": args.delay_ms},
+            )
+            for i in range(args.count)
+        ]
+        await svc.bus.enqueue_many(requests)
+        print(f"submitted {args.count} demo requests (pipeline demo: intake -> enrich -> publish)")
+        deadline = time.monotonic() + args.timeout
+        while True:
+            st = await svc.bus.status()
+            finished = st.stages.get("demo.publish", {}).get("done", 0)
+            print(status_text(st), end="\n\n", flush=True)
+            if finished >= args.count or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(args.every)
     return 0
 
 
@@ -271,6 +357,19 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--from-agent")
     submit.add_argument("--to-agent")
 
+    runner = sub.add_parser("runner", help="run stage handlers until SIGTERM (drains gracefully)")
+    runner.add_argument("--concurrency", type=int)
+    runner.add_argument("--no-listen", action="store_true", help="rely on the fallback poll only")
+    runner.add_argument(
+        "--pipeline-module", action="append", help="also serve this module's PIPELINES"
+    )
+
+    demo = sub.add_parser("demo", help="submit demo work and watch it flow (needs a runner)")
+    demo.add_argument("--count", type=int, default=12)
+    demo.add_argument("--delay-ms", type=int, default=400)
+    demo.add_argument("--every", type=float, default=1.0)
+    demo.add_argument("--timeout", type=float, default=60.0)
+
     status = sub.add_parser("status", help="the bus at a glance")
     status.add_argument("--json", action="store_true", help="machine-readable")
 
@@ -306,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "submit": cmd_submit,
             "status": cmd_status,
             "bus": cmd_bus,
+            "runner": cmd_runner,
+            "demo": cmd_demo,
         }[args.command]
         return asyncio.run(handler(settings, args))
     except ApplianceError as exc:

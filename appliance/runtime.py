@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 from appliance.bus.core import Bus, BusConfig
+from appliance.bus.runner import Runner, RunnerConfig
 from appliance.db.cluster import LocalCluster, find_bindir
 from appliance.db.database import Database, Endpoints
-from appliance.db.message_store import PgMessageStore
+from appliance.db.listener import PgDoorbell
+from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.errors import ConfigurationError
+from appliance.domain.pipeline import Pipeline, Registry
+from appliance.domain.schedule import Schedule
+from appliance.pipelines.registry import BUILT_IN
+from appliance.scheduler import Maintenance
 from appliance.settings import Settings
 
 
@@ -65,6 +75,7 @@ class Services:
 
     db: Database
     bus: Bus
+    store: PgRunnerStore
     tenants: PgTenantStore
 
 
@@ -76,8 +87,91 @@ async def services(settings: Settings, ends: Endpoints | None = None) -> AsyncIt
     )
     await db.open()
     try:
+        store = PgRunnerStore(db)
         yield Services(
-            db=db, bus=Bus(PgMessageStore(db), bus_config(settings)), tenants=PgTenantStore(db)
+            db=db, bus=Bus(store, bus_config(settings)), store=store, tenants=PgTenantStore(db)
         )
+    finally:
+        await db.close()
+
+
+log = logging.getLogger("appliance.runtime")
+
+
+def load_pipelines(settings: Settings) -> tuple[list[Pipeline], list[Schedule]]:
+    """The built-in pipelines named in settings plus those of any extra modules."""
+    pipelines: list[Pipeline] = []
+    schedules: list[Schedule] = []
+    for name in settings.runner.pipelines:
+        if name not in BUILT_IN:
+            known = ", ".join(sorted(BUILT_IN))
+            raise ConfigurationError(
+                f"runner.pipelines: unknown pipeline {name!r} (known: {known})"
+            )
+        pipelines.append(BUILT_IN[name])
+    for module_name in settings.runner.pipeline_modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"runner.pipeline_modules: cannot import {module_name}: {exc}"
+            ) from exc
+        pipelines.extend(getattr(module, "PIPELINES", []))
+        schedules.extend(getattr(module, "SCHEDULES", []))
+    return pipelines, schedules
+
+
+def runner_config(settings: Settings) -> RunnerConfig:
+    r = settings.runner
+    return RunnerConfig(
+        concurrency=r.concurrency,
+        reserved_interactive=r.reserved_interactive,
+        reserved_system=r.reserved_system,
+        tenant_limit=r.tenant_limit,
+        lease=settings.bus.lease,
+        poll_interval=timedelta(seconds=r.poll_interval_seconds),
+        drain_timeout=timedelta(seconds=r.drain_timeout_seconds),
+        cancel_grace=timedelta(seconds=r.cancel_grace_seconds),
+        claim_batch=r.claim_batch,
+        reclaim_every=timedelta(seconds=r.reclaim_interval_seconds),
+    )
+
+
+async def run_runner(settings: Settings, stop: asyncio.Event) -> None:
+    """The runner process: pools, stage graphs, doorbell, maintenance, then serve until stop."""
+    pipelines, schedules = load_pipelines(settings)
+    config = runner_config(settings)
+    ends = endpoints(settings)
+    db = Database(ends, min_size=2, max_size=max(4, min(config.concurrency + 4, 32)))
+    await db.open()
+    try:
+        store = PgRunnerStore(db)
+        bus = Bus(store, bus_config(settings))
+        await store.sync_pipelines(pipelines)
+        doorbell = PgDoorbell(ends.system) if settings.runner.listen else None
+        maintenance = Maintenance(
+            bus,
+            store,
+            doorbell=doorbell,
+            schedules=schedules,
+            reclaim_every=timedelta(seconds=settings.runner.reclaim_interval_seconds),
+            expire_every=timedelta(seconds=settings.runner.expire_interval_seconds),
+            archive_every=timedelta(seconds=settings.runner.archive_interval_seconds),
+            archive_retention=timedelta(days=settings.runner.archive_retention_days),
+        )
+        runner = Runner(
+            store, Registry(pipelines), config, doorbell=doorbell, retry=settings.bus.retry
+        )
+        maintenance.start()
+        log.info(
+            "runner %s serving %s (concurrency %d)",
+            config.worker_id,
+            ", ".join(p.name for p in pipelines) or "nothing",
+            config.concurrency,
+        )
+        try:
+            await runner.run(stop)
+        finally:
+            maintenance.shutdown()
     finally:
         await db.close()

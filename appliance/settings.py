@@ -69,6 +69,29 @@ class BusSettings(BaseModel):
         return timedelta(days=self.idempotency_retention_days)
 
 
+class RunnerSettings(BaseModel):
+    """One runner process: capacity by lane, fairness, leases, wake-ups, shutdown."""
+
+    concurrency: int = Field(default=8, ge=1, le=1024)
+    reserved_interactive: int = Field(default=2, ge=0)
+    reserved_system: int = Field(default=1, ge=0)
+    # Default concurrency limit of each tenant (a tenant's own max_running overrides it).
+    tenant_limit: int = Field(default=8, ge=1)
+    claim_batch: int = Field(default=10, ge=1, le=1000)
+    # LISTEN/NOTIFY wake-ups; off means the runner relies on the fallback poll alone.
+    listen: bool = True
+    poll_interval_seconds: float = Field(default=30.0, gt=0)
+    drain_timeout_seconds: float = Field(default=10.0, ge=0)
+    cancel_grace_seconds: float = Field(default=5.0, ge=0)
+    reclaim_interval_seconds: float = Field(default=1.0, gt=0)
+    expire_interval_seconds: float = Field(default=5.0, gt=0)
+    archive_interval_seconds: float = Field(default=60.0, gt=0)
+    archive_retention_days: float = Field(default=7.0, ge=0)
+    pipelines: list[str] = Field(default_factory=lambda: ["demo"])
+    # Extra modules whose PIPELINES (and optional SCHEDULES) lists the runner serves too.
+    pipeline_modules: list[str] = Field(default_factory=list)
+
+
 class Settings(BaseSettings):
     """All settings. Nested fields read APPLIANCE_<SECTION>__<FIELD>; a few have short names."""
 
@@ -79,6 +102,7 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir)
     db: DatabaseSettings = Field(default_factory=DatabaseSettings)
     bus: BusSettings = Field(default_factory=BusSettings)
+    runner: RunnerSettings = Field(default_factory=RunnerSettings)
 
     # The documented short names (APPLIANCE_DATABASE_URL, APPLIANCE_PG_BINDIR) win over nested ones.
     database_url: str | None = Field(

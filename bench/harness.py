@@ -60,7 +60,9 @@ def temp_cluster(
 def create_database(admin: str, name: str) -> str:
     """(Re)create database `name`; returns the admin conninfo of it."""
     with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     return psycopg.conninfo.make_conninfo(admin, dbname=name)
 
@@ -89,20 +91,29 @@ def postmaster_pid(cluster: LocalCluster) -> int | None:
 # -- timing ---------------------------------------------------------------------------------------
 
 
-def _server_cpu(pid: int | None) -> float | None:
-    """User + system CPU seconds of the postmaster and all its live children (backends, WAL)."""
+def _server_cpu(pid: int | None) -> dict[int, float] | None:
+    """User + system CPU seconds of the postmaster and each live child (backends, WAL writer)."""
     if pid is None:
         return None
     try:
         root = psutil.Process(pid)
-        total = 0.0
-        for proc in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                t = proc.cpu_times()
-                total += t.user + t.system
-        return total
+        procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return None
+    times: dict[int, float] = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            times[proc.pid] = t.user + t.system
+    return times
+
+
+def _cpu_delta(before: dict[int, float] | None, after: dict[int, float] | None) -> float | None:
+    """CPU spent between two snapshots by the processes alive at the end (a process that exited
+    in between, such as a closed connection's backend, would otherwise subtract its past)."""
+    if before is None or after is None:
+        return None
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
 
 @dataclass
@@ -113,10 +124,27 @@ class Sample:
     wall: float
     client_cpu: float
     server_cpu: float | None
+    # CPU seconds the rest of the machine (other processes) used meanwhile, and hypervisor steal.
+    other_cpu: float | None = None
+    steal: float = 0.0
 
     @property
     def rate(self) -> float:
         return self.n / self.wall if self.wall > 0 else float("nan")
+
+    @property
+    def other_share(self) -> float | None:
+        """Cores' worth of CPU other processes used during this run (0.0 = a quiet box)."""
+        if self.other_cpu is None or self.wall <= 0:
+            return None
+        return self.other_cpu / self.wall
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """System-wide busy CPU seconds (all cores) and steal seconds, since boot."""
+    t = psutil.cpu_times()
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    return busy, getattr(t, "steal", 0.0)
 
 
 @dataclass
@@ -128,10 +156,12 @@ class Meter:
     sample: Sample | None = field(default=None, init=False)
     _t0: float = field(default=0.0, init=False)
     _c0: float = field(default=0.0, init=False)
-    _s0: float | None = field(default=None, init=False)
+    _s0: dict[int, float] | None = field(default=None, init=False)
+    _m0: tuple[float, float] = field(default=(0.0, 0.0), init=False)
 
     def __enter__(self) -> Meter:
         self._s0 = _server_cpu(self.server_pid)
+        self._m0 = _machine_cpu()
         self._c0 = time.process_time()
         self._t0 = time.perf_counter()
         return self
@@ -139,9 +169,12 @@ class Meter:
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t0
         client = time.process_time() - self._c0
-        s1 = _server_cpu(self.server_pid)
-        server = s1 - self._s0 if s1 is not None and self._s0 is not None else None
-        self.sample = Sample(self.n, wall, client, server)
+        busy, steal = _machine_cpu()
+        server = _cpu_delta(self._s0, _server_cpu(self.server_pid))
+        other = None
+        if server is not None:
+            other = max(0.0, busy - self._m0[0] - client - server)
+        self.sample = Sample(self.n, wall, client, server, other, steal - self._m0[1])
 
 
 @dataclass
@@ -167,6 +200,12 @@ class Measurement:
         return ordered[len(ordered) // 2]
 
     @property
+    def other_share(self) -> float | None:
+        """Other processes' CPU (cores) during the median run."""
+        s = self._median_sample()
+        return s.other_share if s else None
+
+    @property
     def client_cpu_share(self) -> float | None:
         """Client CPU seconds per wall second of the median run (1.0 = one core busy)."""
         s = self._median_sample()
@@ -178,6 +217,21 @@ class Measurement:
         if s is None or s.server_cpu is None or s.wall <= 0:
             return None
         return s.server_cpu / s.wall
+
+    @property
+    def cpu_us_per_item(self) -> tuple[float | None, float | None]:
+        """Client and server CPU microseconds per item in the median run."""
+        s = self._median_sample()
+        if s is None or s.n <= 0:
+            return None, None
+        server = s.server_cpu * 1e6 / s.n if s.server_cpu is not None else None
+        return s.client_cpu * 1e6 / s.n, server
+
+    def cpu_cell(self) -> str:
+        client, server = self.cpu_us_per_item
+        return " / ".join(
+            "-" if v is None else f"{v:,.1f}" if v < 10 else f"{v:,.0f}" for v in (client, server)
+        )
 
     @property
     def us_per_item(self) -> float:
@@ -231,6 +285,7 @@ def machine_facts() -> dict[str, str]:
         "python": platform.python_version(),
         "psycopg": psycopg.__version__,
         "kernel": platform.release(),
+        "loadavg": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
 

@@ -89,6 +89,7 @@ CREATE FUNCTION appliance.agent_messages_log_update() RETURNS trigger
     AS $$
 DECLARE
     bad record;
+    nxt record;
 BEGIN
     SELECT o.id, o.status AS from_status, n.status AS to_status INTO bad
     FROM new_rows n JOIN old_rows o ON o.id = n.id
@@ -101,12 +102,79 @@ BEGIN
             bad.id, bad.from_status, bad.to_status
             USING ERRCODE = 'check_violation';
     END IF;
+    IF NOT EXISTS (SELECT FROM new_rows n JOIN old_rows o ON o.id = n.id
+                   WHERE n.status <> o.status) THEN
+        RETURN NULL;  -- heartbeats and other in-place updates: nothing to log or count
+    END IF;
+
     INSERT INTO message_transitions
         (tenant, message_id, from_status, to_status, reason, actor, attempt, lease_token, at)
     SELECT n.tenant, n.id, o.status, n.status, n.status_reason, n.status_actor, n.attempts,
            n.lease_token, n.updated_at
     FROM new_rows n JOIN old_rows o ON o.id = n.id
     WHERE n.status <> o.status;
+
+    -- Running counts per tenant. Rows are locked in tenant order so that two statements
+    -- touching the same tenants can never deadlock.
+    WITH delta AS (
+        SELECT n.tenant,
+               sum((n.status = 'running')::integer - (o.status = 'running')::integer) AS d,
+               max(n.claimed_at) FILTER (WHERE n.status = 'running') AS claimed
+        FROM new_rows n JOIN old_rows o ON o.id = n.id
+        WHERE n.status <> o.status AND 'running' IN (n.status, o.status)
+        GROUP BY n.tenant
+    ),
+    locked AS (
+        SELECT r.tenant FROM tenant_runtime r
+        WHERE r.tenant IN (SELECT tenant FROM delta)
+        ORDER BY r.tenant
+        FOR UPDATE
+    )
+    UPDATE tenant_runtime r
+    SET running = r.running + delta.d,
+        last_claimed_at = greatest(r.last_claimed_at, delta.claimed)
+    FROM delta JOIN locked ON locked.tenant = delta.tenant
+    WHERE r.tenant = delta.tenant;
+
+    -- Stage hand-off: done -> the next stage for the outcome, keyed (source, source id, stage),
+    -- so a retried completion or a second runner can never enqueue it twice.
+    SELECT array_agg(x.ord) AS ord, array_agg(x.tenant) AS tenant,
+           array_agg(x.pipeline) AS pipeline, array_agg(x.stage) AS stage,
+           array_agg(x.source) AS source, array_agg(x.source_id) AS source_id,
+           array_agg(x.key) AS key, array_agg(x.directive) AS directive,
+           array_agg(x.context) AS context, array_agg(x.from_agent) AS from_agent,
+           array_agg(x.to_agent) AS to_agent, array_agg(x.lane) AS lane,
+           array_agg(x.priority) AS priority, array_agg(x.max_attempts) AS max_attempts,
+           array_agg(x.not_before) AS not_before, array_agg(x.deadline) AS deadline,
+           array_agg(x.hops) AS hops, max(x.at) AS at, count(*) AS n
+    INTO nxt
+    FROM (
+        SELECT row_number() OVER ()::integer AS ord, n.tenant, n.pipeline,
+               r.next_stage AS stage, n.source, n.source_id,
+               idempotency_key(n.source, n.source_id, r.next_stage) AS key,
+               s.directive, coalesce(n.result, 'null'::jsonb) AS context,
+               n.pipeline || '.' || n.stage AS from_agent,
+               n.pipeline || '.' || r.next_stage AS to_agent, s.lane, n.priority,
+               s.max_attempts, NULL::timestamptz AS not_before, n.deadline, n.hops + 1 AS hops,
+               n.updated_at AS at
+        FROM new_rows n
+        JOIN old_rows o ON o.id = n.id
+        JOIN stage_routes r
+          ON r.pipeline = n.pipeline AND r.stage = n.stage
+         AND r.outcome = coalesce(n.outcome, 'ok')
+        JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.next_stage
+        WHERE n.status = 'done' AND o.status = 'running'
+    ) AS x;
+    IF nxt.n > 0 THEN
+        PERFORM enqueue_messages(
+            nxt.at,
+            coalesce(nullif(current_setting('appliance.idempotency_retention', true), ''),
+                     '90 days')::interval,
+            nxt.ord, nxt.tenant, nxt.pipeline, nxt.stage, nxt.source, nxt.source_id, nxt.key,
+            nxt.directive, nxt.context, nxt.from_agent, nxt.to_agent, nxt.lane, nxt.priority,
+            nxt.max_attempts, nxt.not_before, nxt.deadline, nxt.hops);
+    END IF;
+
     IF current_setting('appliance.notify', true) IS DISTINCT FROM 'off' THEN
         PERFORM pg_notify('appliance_work', l::text)
         FROM (SELECT DISTINCT n.lane AS l
@@ -120,6 +188,74 @@ $$;
 ALTER FUNCTION appliance.agent_messages_log_update() OWNER TO appliance_owner;
 
 --
+-- Name: archive_messages(timestamp with time zone, integer, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    month date;
+    moved integer;
+BEGIN
+    -- One archiver at a time across runners; the others skip this round.
+    IF NOT pg_try_advisory_xact_lock(hashtext('appliance.archive')) THEN
+        RETURN 0;
+    END IF;
+    FOR month IN
+        SELECT DISTINCT date_trunc('month', v.finished_at AT TIME ZONE 'UTC')::date
+        FROM (SELECT finished_at FROM agent_messages
+              WHERE status IN ('done', 'cancelled', 'expired') AND finished_at < p_cutoff
+              ORDER BY finished_at LIMIT p_batch) AS v
+    LOOP
+        IF to_regclass(format('appliance.agent_messages_archive_y%sm%s',
+                              to_char(month, 'YYYY'), to_char(month, 'MM'))) IS NULL THEN
+            -- Rows of this month may already sit in the default partition; move them over.
+            CREATE TEMP TABLE IF NOT EXISTS archive_spill (LIKE agent_messages_archive)
+                ON COMMIT DROP;
+            WITH spilled AS (
+                DELETE FROM agent_messages_archive_default
+                WHERE finished_at >= (month::timestamp AT TIME ZONE 'UTC')
+                  AND finished_at < ((month + interval '1 month')::timestamp AT TIME ZONE 'UTC')
+                RETURNING *
+            )
+            INSERT INTO archive_spill SELECT * FROM spilled;
+            EXECUTE format(
+                'CREATE TABLE appliance.%I PARTITION OF appliance.agent_messages_archive'
+                ' FOR VALUES FROM (%L) TO (%L)',
+                format('agent_messages_archive_y%sm%s', to_char(month, 'YYYY'),
+                       to_char(month, 'MM')),
+                month::timestamp AT TIME ZONE 'UTC',
+                (month + interval '1 month')::timestamp AT TIME ZONE 'UTC');
+            INSERT INTO agent_messages_archive SELECT * FROM archive_spill;
+            TRUNCATE archive_spill;
+        END IF;
+    END LOOP;
+
+    WITH victims AS MATERIALIZED (
+        SELECT id FROM agent_messages
+        WHERE status IN ('done', 'cancelled', 'expired') AND finished_at < p_cutoff
+        ORDER BY finished_at
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    ),
+    gone AS (
+        DELETE FROM agent_messages m USING victims v WHERE m.id = v.id RETURNING m.*
+    )
+    INSERT INTO agent_messages_archive
+        (id, tenant, pipeline, stage, source, source_id, status, finished_at, archived_at, body)
+    SELECT g.id, g.tenant, g.pipeline, g.stage, g.source, g.source_id, g.status, g.finished_at,
+           coalesce(p_now, now()), to_jsonb(g)
+    FROM gone g;
+    GET DIAGNOSTICS moved = ROW_COUNT;
+    RETURN moved;
+END
+$$;
+
+ALTER FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
 -- Name: current_tenant(); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -128,6 +264,92 @@ CREATE FUNCTION appliance.current_tenant() RETURNS text
     AS $$ SELECT NULLIF(current_setting('appliance.tenant', true), '') $$;
 
 ALTER FUNCTION appliance.current_tenant() OWNER TO appliance_owner;
+
+--
+-- Name: enqueue_messages(timestamp with time zone, interval, integer[], text[], text[], text[], text[], text[], text[], text[], jsonb[], text[], text[], appliance.lane[], smallint[], integer[], timestamp with time zone[], timestamp with time zone[], integer[]); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[]) RETURNS TABLE(ord integer, id bigint, new boolean)
+    LANGUAGE plpgsql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+BEGIN
+RETURN QUERY
+WITH req AS (
+    SELECT r.*, coalesce(p_now, now()) AS at
+    FROM unnest(p_ord, p_tenant, p_pipeline, p_stage, p_source, p_source_id, p_key, p_directive,
+                p_context, p_from_agent, p_to_agent, p_lane, p_priority, p_max_attempts,
+                p_not_before, p_deadline, p_hops)
+        AS r(ord, tenant, pipeline, stage, source, source_id, key, directive, context,
+             from_agent, to_agent, lane, priority, max_attempts, not_before, deadline, hops)
+),
+keys AS (
+    INSERT INTO idempotency_keys AS ik (tenant, key, message_id, created_at, expires_at)
+    SELECT req.tenant, req.key, nextval('agent_messages_id_seq'), req.at, req.at + p_retention
+    FROM req
+    ON CONFLICT (tenant, key) DO UPDATE
+    -- A live key answers with its message; an expired one is taken over by the new request.
+    SET hits = CASE WHEN ik.expires_at <= excluded.created_at THEN 0 ELSE ik.hits + 1 END,
+        last_hit_at = CASE WHEN ik.expires_at <= excluded.created_at THEN NULL
+                           ELSE excluded.created_at END,
+        message_id = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.message_id
+                          ELSE ik.message_id END,
+        created_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.created_at
+                          ELSE ik.created_at END,
+        expires_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.expires_at
+                          ELSE ik.expires_at END
+    RETURNING ik.tenant, ik.key, ik.message_id, ik.hits = 0 AS new
+),
+inserted AS (
+    INSERT INTO agent_messages (
+        id, tenant, pipeline, stage, source, source_id, idempotency_key, directive, context,
+        from_agent, to_agent, lane, priority, max_attempts, not_before, deadline, hops,
+        created_at, updated_at)
+    SELECT keys.message_id, req.tenant, req.pipeline, req.stage, req.source, req.source_id,
+           req.key, req.directive, req.context, req.from_agent, req.to_agent, req.lane,
+           req.priority, req.max_attempts, coalesce(req.not_before, req.at), req.deadline,
+           coalesce(req.hops, 0), req.at, req.at
+    FROM req JOIN keys ON keys.tenant = req.tenant AND keys.key = req.key
+    WHERE keys.new
+    RETURNING 1
+)
+SELECT req.ord, keys.message_id, keys.new
+FROM req JOIN keys ON keys.tenant = req.tenant AND keys.key = req.key
+ORDER BY req.ord;
+END
+$$;
+
+ALTER FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[]) OWNER TO appliance_owner;
+
+--
+-- Name: idempotency_key(text, text, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.idempotency_key(source text, source_id text, stage text) RETURNS text
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    AS $$
+    SELECT 'k1:' || encode(sha256(convert_to(
+        length(source) || ':' || source || '|' || length(source_id) || ':' || source_id || '|'
+        || length(stage) || ':' || stage, 'UTF8')), 'hex')
+$$;
+
+ALTER FUNCTION appliance.idempotency_key(source text, source_id text, stage text) OWNER TO appliance_owner;
+
+--
+-- Name: tenants_runtime_row(); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.tenants_runtime_row() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+BEGIN
+    INSERT INTO tenant_runtime (tenant) SELECT n.name FROM new_rows n ON CONFLICT DO NOTHING;
+    RETURN NULL;
+END
+$$;
+
+ALTER FUNCTION appliance.tenants_runtime_row() OWNER TO appliance_owner;
 
 SET default_table_access_method = heap;
 
@@ -165,8 +387,12 @@ CREATE TABLE appliance.agent_messages (
     created_at timestamp with time zone NOT NULL,
     updated_at timestamp with time zone NOT NULL,
     finished_at timestamp with time zone,
+    outcome text,
+    run_deadline timestamp with time zone,
+    hops integer DEFAULT 0 NOT NULL,
     CONSTRAINT agent_messages_attempts_check CHECK ((attempts >= 0)),
     CONSTRAINT agent_messages_directive_check CHECK ((btrim(directive) <> ''::text)),
+    CONSTRAINT agent_messages_hops_check CHECK ((hops >= 0)),
     CONSTRAINT agent_messages_lease_check CHECK (((status = 'running'::appliance.message_status) = (lease_expires_at IS NOT NULL))),
     CONSTRAINT agent_messages_max_attempts_check CHECK (((max_attempts >= 1) AND (max_attempts <= 100)))
 );
@@ -174,6 +400,47 @@ CREATE TABLE appliance.agent_messages (
 ALTER TABLE ONLY appliance.agent_messages FORCE ROW LEVEL SECURITY;
 
 ALTER TABLE appliance.agent_messages OWNER TO appliance_owner;
+
+--
+-- Name: agent_messages_archive; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.agent_messages_archive (
+    id bigint NOT NULL,
+    tenant text NOT NULL,
+    pipeline text NOT NULL,
+    stage text NOT NULL,
+    source text NOT NULL,
+    source_id text NOT NULL,
+    status appliance.message_status NOT NULL,
+    finished_at timestamp with time zone NOT NULL,
+    archived_at timestamp with time zone NOT NULL,
+    body jsonb NOT NULL
+)
+PARTITION BY RANGE (finished_at);
+
+ALTER TABLE ONLY appliance.agent_messages_archive FORCE ROW LEVEL SECURITY;
+
+ALTER TABLE appliance.agent_messages_archive OWNER TO appliance_owner;
+
+--
+-- Name: agent_messages_archive_default; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.agent_messages_archive_default (
+    id bigint NOT NULL,
+    tenant text NOT NULL,
+    pipeline text NOT NULL,
+    stage text NOT NULL,
+    source text NOT NULL,
+    source_id text NOT NULL,
+    status appliance.message_status NOT NULL,
+    finished_at timestamp with time zone NOT NULL,
+    archived_at timestamp with time zone NOT NULL,
+    body jsonb NOT NULL
+);
+
+ALTER TABLE appliance.agent_messages_archive_default OWNER TO appliance_owner;
 
 --
 -- Name: agent_messages_id_seq; Type: SEQUENCE; Schema: appliance; Owner: appliance_owner
@@ -271,6 +538,49 @@ ALTER TABLE appliance.message_transitions ALTER COLUMN id ADD GENERATED ALWAYS A
 );
 
 --
+-- Name: pipeline_stages; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.pipeline_stages (
+    pipeline text NOT NULL,
+    stage text NOT NULL,
+    lane appliance.lane NOT NULL,
+    task_kind text NOT NULL,
+    handler text NOT NULL,
+    directive text NOT NULL,
+    max_runtime interval NOT NULL,
+    max_attempts integer NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT pipeline_stages_directive_check CHECK ((btrim(directive) <> ''::text)),
+    CONSTRAINT pipeline_stages_max_attempts_check CHECK (((max_attempts >= 1) AND (max_attempts <= 100))),
+    CONSTRAINT pipeline_stages_max_runtime_check CHECK ((max_runtime > '00:00:00'::interval))
+);
+
+ALTER TABLE appliance.pipeline_stages OWNER TO appliance_owner;
+
+--
+-- Name: runners; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.runners (
+    id text NOT NULL,
+    host text NOT NULL,
+    pid integer NOT NULL,
+    started_at timestamp with time zone NOT NULL,
+    seen_at timestamp with time zone NOT NULL,
+    stopped_at timestamp with time zone,
+    listener_connected boolean DEFAULT false NOT NULL,
+    last_missed_wakeup_at timestamp with time zone,
+    missed_wakeups bigint DEFAULT 0 NOT NULL,
+    claimed bigint DEFAULT 0 NOT NULL,
+    completed bigint DEFAULT 0 NOT NULL,
+    failed bigint DEFAULT 0 NOT NULL,
+    stats jsonb DEFAULT '{}'::jsonb NOT NULL
+);
+
+ALTER TABLE appliance.runners OWNER TO appliance_owner;
+
+--
 -- Name: schema_migrations; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
@@ -284,6 +594,32 @@ CREATE TABLE appliance.schema_migrations (
 ALTER TABLE appliance.schema_migrations OWNER TO appliance_owner;
 
 --
+-- Name: stage_routes; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.stage_routes (
+    pipeline text NOT NULL,
+    stage text NOT NULL,
+    outcome text NOT NULL,
+    next_stage text NOT NULL
+);
+
+ALTER TABLE appliance.stage_routes OWNER TO appliance_owner;
+
+--
+-- Name: tenant_runtime; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.tenant_runtime (
+    tenant text NOT NULL,
+    running integer DEFAULT 0 NOT NULL,
+    last_claimed_at timestamp with time zone,
+    CONSTRAINT tenant_runtime_running_check CHECK ((running >= 0))
+);
+
+ALTER TABLE appliance.tenant_runtime OWNER TO appliance_owner;
+
+--
 -- Name: tenants; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
@@ -291,10 +627,18 @@ CREATE TABLE appliance.tenants (
     name text NOT NULL,
     display_name text,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
+    max_running integer,
+    CONSTRAINT tenants_max_running_check CHECK ((max_running > 0)),
     CONSTRAINT tenants_name_check CHECK ((name ~ '^[a-z0-9][a-z0-9_.-]{0,62}$'::text))
 );
 
 ALTER TABLE appliance.tenants OWNER TO appliance_owner;
+
+--
+-- Name: agent_messages_archive_default; Type: TABLE ATTACH; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.agent_messages_archive ATTACH PARTITION appliance.agent_messages_archive_default DEFAULT;
 
 --
 -- Name: agent_messages agent_messages_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -325,11 +669,39 @@ ALTER TABLE ONLY appliance.message_transitions
     ADD CONSTRAINT message_transitions_pkey PRIMARY KEY (id);
 
 --
+-- Name: pipeline_stages pipeline_stages_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.pipeline_stages
+    ADD CONSTRAINT pipeline_stages_pkey PRIMARY KEY (pipeline, stage);
+
+--
+-- Name: runners runners_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.runners
+    ADD CONSTRAINT runners_pkey PRIMARY KEY (id);
+
+--
 -- Name: schema_migrations schema_migrations_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
 --
 
 ALTER TABLE ONLY appliance.schema_migrations
     ADD CONSTRAINT schema_migrations_pkey PRIMARY KEY (version);
+
+--
+-- Name: stage_routes stage_routes_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.stage_routes
+    ADD CONSTRAINT stage_routes_pkey PRIMARY KEY (pipeline, stage, outcome);
+
+--
+-- Name: tenant_runtime tenant_runtime_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.tenant_runtime
+    ADD CONSTRAINT tenant_runtime_pkey PRIMARY KEY (tenant);
 
 --
 -- Name: tenants tenants_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -339,10 +711,40 @@ ALTER TABLE ONLY appliance.tenants
     ADD CONSTRAINT tenants_pkey PRIMARY KEY (name);
 
 --
+-- Name: agent_messages_archive_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_archive_id_idx ON ONLY appliance.agent_messages_archive USING btree (id);
+
+--
+-- Name: agent_messages_archive_default_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_archive_default_id_idx ON appliance.agent_messages_archive_default USING btree (id);
+
+--
+-- Name: agent_messages_archive_tenant_source_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_archive_tenant_source_idx ON ONLY appliance.agent_messages_archive USING btree (tenant, source, source_id);
+
+--
+-- Name: agent_messages_archive_default_tenant_source_source_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_archive_default_tenant_source_source_id_idx ON appliance.agent_messages_archive_default USING btree (tenant, source, source_id);
+
+--
 -- Name: agent_messages_deadline_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
 CREATE INDEX agent_messages_deadline_idx ON appliance.agent_messages USING btree (deadline) WHERE ((deadline IS NOT NULL) AND (status = ANY (ARRAY['pending'::appliance.message_status, 'awaiting_approval'::appliance.message_status, 'held_budget'::appliance.message_status, 'waiting_capability'::appliance.message_status])));
+
+--
+-- Name: agent_messages_finished_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_finished_at_idx ON appliance.agent_messages USING btree (finished_at) WHERE (status = ANY (ARRAY['done'::appliance.message_status, 'cancelled'::appliance.message_status, 'expired'::appliance.message_status]));
 
 --
 -- Name: agent_messages_lane_created_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
@@ -351,10 +753,10 @@ CREATE INDEX agent_messages_deadline_idx ON appliance.agent_messages USING btree
 CREATE INDEX agent_messages_lane_created_at_idx ON appliance.agent_messages USING btree (lane, created_at) WHERE (status = 'pending'::appliance.message_status);
 
 --
--- Name: agent_messages_lane_priority_not_before_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+-- Name: agent_messages_lane_tenant_priority_not_before_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX agent_messages_lane_priority_not_before_id_idx ON appliance.agent_messages USING btree (lane, priority DESC, not_before, id) WHERE (status = 'pending'::appliance.message_status);
+CREATE INDEX agent_messages_lane_tenant_priority_not_before_id_idx ON appliance.agent_messages USING btree (lane, tenant, priority DESC, not_before, id) WHERE (status = 'pending'::appliance.message_status);
 
 --
 -- Name: agent_messages_lease_expires_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
@@ -363,10 +765,34 @@ CREATE INDEX agent_messages_lane_priority_not_before_id_idx ON appliance.agent_m
 CREATE INDEX agent_messages_lease_expires_at_idx ON appliance.agent_messages USING btree (lease_expires_at) WHERE (status = 'running'::appliance.message_status);
 
 --
+-- Name: idempotency_keys_last_hit_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX idempotency_keys_last_hit_at_idx ON appliance.idempotency_keys USING btree (last_hit_at) WHERE (last_hit_at IS NOT NULL);
+
+--
+-- Name: message_transitions_lease_expired_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX message_transitions_lease_expired_at_idx ON appliance.message_transitions USING btree (at) WHERE (reason = 'lease_expired'::text);
+
+--
 -- Name: message_transitions_message_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
 CREATE INDEX message_transitions_message_id_idx ON appliance.message_transitions USING btree (message_id, id);
+
+--
+-- Name: agent_messages_archive_default_id_idx; Type: INDEX ATTACH; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER INDEX appliance.agent_messages_archive_id_idx ATTACH PARTITION appliance.agent_messages_archive_default_id_idx;
+
+--
+-- Name: agent_messages_archive_default_tenant_source_source_id_idx; Type: INDEX ATTACH; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER INDEX appliance.agent_messages_archive_tenant_source_idx ATTACH PARTITION appliance.agent_messages_archive_default_tenant_source_source_id_idx;
 
 --
 -- Name: agent_messages agent_messages_insert_trg; Type: TRIGGER; Schema: appliance; Owner: appliance_owner
@@ -379,6 +805,12 @@ CREATE TRIGGER agent_messages_insert_trg AFTER INSERT ON appliance.agent_message
 --
 
 CREATE TRIGGER agent_messages_update_trg AFTER UPDATE ON appliance.agent_messages REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION appliance.agent_messages_log_update();
+
+--
+-- Name: tenants tenants_insert_trg; Type: TRIGGER; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TRIGGER tenants_insert_trg AFTER INSERT ON appliance.tenants REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION appliance.tenants_runtime_row();
 
 --
 -- Name: agent_messages agent_messages_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -395,10 +827,49 @@ ALTER TABLE ONLY appliance.idempotency_keys
     ADD CONSTRAINT idempotency_keys_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
 
 --
+-- Name: stage_routes stage_routes_pipeline_next_stage_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.stage_routes
+    ADD CONSTRAINT stage_routes_pipeline_next_stage_fkey FOREIGN KEY (pipeline, next_stage) REFERENCES appliance.pipeline_stages(pipeline, stage) ON DELETE CASCADE;
+
+--
+-- Name: stage_routes stage_routes_pipeline_stage_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.stage_routes
+    ADD CONSTRAINT stage_routes_pipeline_stage_fkey FOREIGN KEY (pipeline, stage) REFERENCES appliance.pipeline_stages(pipeline, stage) ON DELETE CASCADE;
+
+--
+-- Name: tenant_runtime tenant_runtime_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.tenant_runtime
+    ADD CONSTRAINT tenant_runtime_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name) ON DELETE CASCADE;
+
+--
 -- Name: agent_messages; Type: ROW SECURITY; Schema: appliance; Owner: appliance_owner
 --
 
 ALTER TABLE appliance.agent_messages ENABLE ROW LEVEL SECURITY;
+
+--
+-- Name: agent_messages_archive; Type: ROW SECURITY; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE appliance.agent_messages_archive ENABLE ROW LEVEL SECURITY;
+
+--
+-- Name: agent_messages_archive agent_messages_archive_bus_machinery; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY agent_messages_archive_bus_machinery ON appliance.agent_messages_archive TO appliance_owner, appliance_system USING (true) WITH CHECK (true);
+
+--
+-- Name: agent_messages_archive agent_messages_archive_tenant_isolation; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY agent_messages_archive_tenant_isolation ON appliance.agent_messages_archive TO appliance_app USING ((tenant = appliance.current_tenant()));
 
 --
 -- Name: agent_messages agent_messages_bus_machinery; Type: POLICY; Schema: appliance; Owner: appliance_owner
@@ -456,6 +927,13 @@ GRANT USAGE ON SCHEMA appliance TO appliance_app;
 GRANT USAGE ON SCHEMA appliance TO appliance_system;
 
 --
+-- Name: FUNCTION archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) TO appliance_system;
+
+--
 -- Name: FUNCTION current_tenant(); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
@@ -463,11 +941,25 @@ GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_app;
 GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_system;
 
 --
+-- Name: FUNCTION idempotency_key(source text, source_id text, stage text); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_app;
+GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_system;
+
+--
 -- Name: TABLE agent_messages; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.agent_messages TO appliance_app;
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.agent_messages TO appliance_system;
+
+--
+-- Name: TABLE agent_messages_archive; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.agent_messages_archive TO appliance_app;
+GRANT SELECT ON TABLE appliance.agent_messages_archive TO appliance_system;
 
 --
 -- Name: SEQUENCE agent_messages_id_seq; Type: ACL; Schema: appliance; Owner: appliance_owner
@@ -503,6 +995,34 @@ GRANT SELECT ON TABLE appliance.message_status_transitions TO appliance_system;
 
 GRANT SELECT ON TABLE appliance.message_transitions TO appliance_app;
 GRANT SELECT ON TABLE appliance.message_transitions TO appliance_system;
+
+--
+-- Name: TABLE pipeline_stages; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.pipeline_stages TO appliance_app;
+GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE appliance.pipeline_stages TO appliance_system;
+
+--
+-- Name: TABLE runners; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT,INSERT,UPDATE ON TABLE appliance.runners TO appliance_system;
+GRANT SELECT ON TABLE appliance.runners TO appliance_app;
+
+--
+-- Name: TABLE stage_routes; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.stage_routes TO appliance_app;
+GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE appliance.stage_routes TO appliance_system;
+
+--
+-- Name: TABLE tenant_runtime; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.tenant_runtime TO appliance_app;
+GRANT SELECT,UPDATE ON TABLE appliance.tenant_runtime TO appliance_system;
 
 --
 -- Name: TABLE tenants; Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -748,6 +748,17 @@ class LocalCluster:
             f"{self._log_tail()}"
         )
 
+    def crash_restart(self, timeout: float = 60.0) -> None:
+        """Restart with an immediate shutdown (no checkpoint: the server recovers from WAL on
+        start, as after a crash). For failure drills and tests; clients are disconnected."""
+        self._refuse_foreign()
+        self._run(
+            [self._bin("pg_ctl"), "-D", self.data_dir, "-m", "immediate", "-w", "stop"],
+            timeout=timeout,
+            what="pg_ctl stop -m immediate",
+        )
+        self.start(timeout=timeout)
+
     def _log_tail(self) -> str:
         try:
             lines = self.log_file.read_text(encoding="utf-8", errors="replace").splitlines()

@@ -100,6 +100,7 @@ def _enqueue_params(
         "max_attempts": [r.max_attempts for r in requests],
         "not_before": [r.not_before for r in requests],
         "deadline": [r.deadline for r in requests],
+        "hops": [r.hops for r in requests],
     }
 
 
@@ -233,6 +234,7 @@ class PgMessageStore:
             "id": [c.lease.message_id for c in completions],
             "token": [c.lease.lease_token for c in completions],
             "result": [Jsonb(c.result) for c in completions],
+            "outcome": [c.outcome for c in completions],
             "actor": actor,
             "now": now,
         }

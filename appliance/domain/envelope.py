@@ -76,8 +76,13 @@ LEGAL_TRANSITIONS: frozenset[tuple[MessageStatus, MessageStatus]] = frozenset(
 
 
 def idempotency_key(source: str, source_id: str, stage: str) -> str:
-    """The deterministic key of (source, source id, stage): same inputs, same key, on every box."""
-    raw = json.dumps([source, source_id, stage], separators=(",", ":"), ensure_ascii=False)
+    """The deterministic key of (source, source id, stage): same inputs, same key, on every box.
+
+    Length-prefixed parts, so no choice of characters can make two triples collide; SQL's
+    `idempotency_key()` (used by stage hand-off) computes the same text, and a test holds them
+    equal.
+    """
+    raw = "|".join(f"{len(part)}:{part}" for part in (source, source_id, stage))
     return "k1:" + hashlib.sha256(raw.encode()).hexdigest()
 
 
@@ -157,6 +162,7 @@ class EnqueueRequest:
     max_attempts: int = 5
     not_before: datetime | None = None
     deadline: datetime | None = None
+    hops: int = 0
 
     @classmethod
     def build(
@@ -179,6 +185,7 @@ class EnqueueRequest:
         key: str | None = None,
         context_max_bytes: int = DEFAULT_CONTEXT_MAX_BYTES,
         now: datetime | None = None,
+        hops: int = 0,
     ) -> EnqueueRequest:
         """Validate every field before anything touches the database; errors name the field."""
         _check_name("tenant", tenant)
@@ -198,6 +205,8 @@ class EnqueueRequest:
             raise InvalidInput("idempotency_key", f"must be 1-{KEY_MAX_CHARS} characters")
         if not -1000 <= priority <= 1000:
             raise InvalidInput("priority", f"{priority} is outside -1000..1000")
+        if hops < 0:
+            raise InvalidInput("hops", "cannot be negative")
         if not 1 <= max_attempts <= 100:
             raise InvalidInput("max_attempts", f"{max_attempts} is outside 1..100")
         for name, agent in (("from_agent", from_agent), ("to_agent", to_agent)):
@@ -227,6 +236,7 @@ class EnqueueRequest:
             max_attempts=max_attempts,
             not_before=not_before,
             deadline=deadline,
+            hops=hops,
         )
 
 

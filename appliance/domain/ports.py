@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from appliance.domain.envelope import (
     EnqueueRequest,
@@ -25,6 +25,7 @@ class AckOutcome(StrEnum):
     APPLIED = "applied"
     STALE = "stale"  # the lease was reclaimed or replaced: nothing changed
     CANCELLED = "cancelled"  # the message was cancelled while running: nothing changed
+    OVERRUN = "overrun"  # the attempt reached its hard maximum runtime: the lease will lapse
 
 
 class FailOutcome(StrEnum):
@@ -50,10 +51,14 @@ class HeartbeatResult:
 
 @dataclass(frozen=True)
 class Completion:
-    """One successful result to record under a lease (batched acknowledgements)."""
+    """One successful result to record under a lease (batched acknowledgements).
+
+    The outcome picks the next stage of the message's pipeline (`stage_routes`).
+    """
 
     lease: LeaseRef
     result: JSONValue = None
+    outcome: str = "ok"
 
 
 @dataclass(frozen=True)
@@ -73,12 +78,34 @@ class LaneCounts:
 
 
 @dataclass(frozen=True)
+class RunnerInfo:
+    """One runner as it last reported itself."""
+
+    id: str
+    host: str
+    pid: int
+    seen_age_s: float
+    alive: bool
+    listener_connected: bool
+    last_missed_wakeup_age_s: float | None
+    missed_wakeups: int
+    claimed: int
+    completed: int
+    failed: int
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class BusStatus:
     """The bus at a glance (appliance status)."""
 
     at: datetime
     lanes: dict[Lane, LaneCounts]
     tenants: int
+    runners: list[RunnerInfo] = field(default_factory=list)
+    reclaims_last_hour: int = 0
+    dedup_keys_hit_last_hour: int = 0
+    stages: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class MessageStore(Protocol):
@@ -132,6 +159,67 @@ class MessageStore(Protocol):
     async def get(self, tenant: str, message_id: int) -> Message | None: ...
 
     async def status(self, *, now: datetime | None) -> BusStatus: ...
+
+
+class RunnerStore(Protocol):
+    """What the stage runner needs beyond the envelope's basic paths."""
+
+    async def claim_lane(
+        self,
+        *,
+        worker: str,
+        lane: Lane,
+        limit: int,
+        lease: timedelta,
+        tenant_limit: int,
+        now: datetime | None,
+    ) -> list[Message]: ...
+
+    async def heartbeat_many(
+        self, leases: Sequence[LeaseRef], *, extend: timedelta, now: datetime | None
+    ) -> list[HeartbeatResult]: ...
+
+    async def complete(
+        self, completions: Sequence[Completion], *, actor: str, now: datetime | None
+    ) -> list[AckOutcome]: ...
+
+    async def fail(
+        self,
+        lease: LeaseRef,
+        *,
+        error: str,
+        retry_delay: timedelta,
+        actor: str,
+        now: datetime | None,
+    ) -> FailOutcome: ...
+
+    async def expire_running(
+        self, lease: LeaseRef, *, reason: str, actor: str, now: datetime | None
+    ) -> bool: ...
+
+    async def release(
+        self, leases: Sequence[LeaseRef], *, actor: str, now: datetime | None
+    ) -> int: ...
+
+    async def reclaim(self, *, batch: int, now: datetime | None) -> list[int]: ...
+
+    async def register_runner(self, info: dict[str, Any]) -> None: ...
+
+    async def report_runner(self, info: dict[str, Any]) -> None: ...
+
+
+class Doorbell(Protocol):
+    """The wake-up hint: rings when work may have become claimable. Only a hint: losing a ring
+    costs latency (the fallback poll finds the work), never correctness."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def wait(self, timeout: float) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 class TenantStore(Protocol):

@@ -4,51 +4,14 @@
 
 -- name: message_enqueue :many
 -- Insert a batch of requests (arrays, one element per request, keys already unique in the batch); a key seen before returns its message (new = false) and creates no work.
-WITH req AS (
-    SELECT r.*, coalesce(%(now)s::timestamptz, now()) AS at
-    FROM unnest(
-        %(ord)s::integer[], %(tenant)s::text[], %(pipeline)s::text[], %(stage)s::text[],
-        %(source)s::text[], %(source_id)s::text[], %(key)s::text[], %(directive)s::text[],
-        %(context)s::jsonb[], %(from_agent)s::text[], %(to_agent)s::text[], %(lane)s::lane[],
-        %(priority)s::smallint[], %(max_attempts)s::integer[], %(not_before)s::timestamptz[],
-        %(deadline)s::timestamptz[]
-    ) AS r(ord, tenant, pipeline, stage, source, source_id, key, directive, context,
-           from_agent, to_agent, lane, priority, max_attempts, not_before, deadline)
-),
-keys AS (
-    INSERT INTO idempotency_keys AS ik (tenant, key, message_id, created_at, expires_at)
-    SELECT req.tenant, req.key, nextval('agent_messages_id_seq'), req.at,
-           req.at + %(retention)s::interval
-    FROM req
-    ON CONFLICT (tenant, key) DO UPDATE
-    -- A live key answers with its message; an expired one is taken over by the new request.
-    SET hits = CASE WHEN ik.expires_at <= excluded.created_at THEN 0 ELSE ik.hits + 1 END,
-        last_hit_at = CASE WHEN ik.expires_at <= excluded.created_at THEN NULL
-                           ELSE excluded.created_at END,
-        message_id = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.message_id
-                          ELSE ik.message_id END,
-        created_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.created_at
-                          ELSE ik.created_at END,
-        expires_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.expires_at
-                          ELSE ik.expires_at END
-    RETURNING ik.tenant, ik.key, ik.message_id, ik.hits = 0 AS new
-),
-inserted AS (
-    INSERT INTO agent_messages (
-        id, tenant, pipeline, stage, source, source_id, idempotency_key, directive, context,
-        from_agent, to_agent, lane, priority, max_attempts, not_before, deadline,
-        created_at, updated_at)
-    SELECT keys.message_id, req.tenant, req.pipeline, req.stage, req.source, req.source_id,
-           req.key, req.directive, req.context, req.from_agent, req.to_agent, req.lane,
-           req.priority, req.max_attempts, coalesce(req.not_before, req.at), req.deadline,
-           req.at, req.at
-    FROM req JOIN keys ON keys.tenant = req.tenant AND keys.key = req.key
-    WHERE keys.new
-    RETURNING id
-)
-SELECT req.ord, keys.message_id AS id, keys.new
-FROM req JOIN keys ON keys.tenant = req.tenant AND keys.key = req.key
-ORDER BY req.ord;
+SELECT e.ord, e.id, e.new
+FROM enqueue_messages(
+    %(now)s::timestamptz, %(retention)s::interval, %(ord)s::integer[], %(tenant)s::text[],
+    %(pipeline)s::text[], %(stage)s::text[], %(source)s::text[], %(source_id)s::text[],
+    %(key)s::text[], %(directive)s::text[], %(context)s::jsonb[], %(from_agent)s::text[],
+    %(to_agent)s::text[], %(lane)s::lane[], %(priority)s::smallint[], %(max_attempts)s::integer[],
+    %(not_before)s::timestamptz[], %(deadline)s::timestamptz[], %(hops)s::integer[]
+) AS e;
 
 -- name: message_claim :many
 -- Lease up to `limit` pending messages in strict lane order (lanes given in claim order), skipping rows other claimers hold; each gets a fresh lease token.
@@ -77,6 +40,8 @@ SET status = 'running',
     claimed_by = %(worker)s,
     claimed_at = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
+    outcome = NULL,
+    run_deadline = NULL,
     status_reason = 'claimed',
     status_actor = %(worker)s
 FROM picked
@@ -87,8 +52,10 @@ RETURNING m.*;
 -- Extend a lease if (and only if) it is still the current one; always report the row's status and token so the caller learns of cancellation or loss.
 WITH beat AS (
     UPDATE agent_messages
-    SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval
+    SET lease_expires_at = least(coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval,
+                                 coalesce(run_deadline, 'infinity'::timestamptz))
     WHERE id = %(id)s AND lease_token = %(token)s AND status = 'running'
+      AND coalesce(run_deadline, 'infinity'::timestamptz) > coalesce(%(now)s::timestamptz, now())
     RETURNING lease_expires_at
 )
 SELECT (SELECT lease_expires_at FROM beat) AS lease_expires_at, m.status, m.lease_token
@@ -98,13 +65,15 @@ WHERE m.id = %(id)s;
 -- name: message_complete :many
 -- Record results under their leases (a batch); a lease that is no longer current changes nothing and is reported with the row's status.
 WITH input AS (
-    SELECT * FROM unnest(%(id)s::bigint[], %(token)s::bigint[], %(result)s::jsonb[])
-        AS i(id, token, result)
+    SELECT *
+    FROM unnest(%(id)s::bigint[], %(token)s::bigint[], %(result)s::jsonb[], %(outcome)s::text[])
+        AS i(id, token, result, outcome)
 ),
 done AS (
     UPDATE agent_messages m
     SET status = 'done',
         result = i.result,
+        outcome = i.outcome,
         error = NULL,
         lease_expires_at = NULL,
         finished_at = coalesce(%(now)s::timestamptz, now()),
@@ -237,8 +206,13 @@ WHERE status = 'dead'
 RETURNING id;
 
 -- name: message_get :one
--- One message by id (row-level security limits it to the transaction's tenant).
-SELECT * FROM agent_messages WHERE id = %(id)s;
+-- One message by id, from the hot table or the archive (row-level security limits it to the transaction's tenant).
+SELECT * FROM agent_messages WHERE id = %(id)s
+UNION ALL
+SELECT (jsonb_populate_record(NULL::agent_messages, a.body)).*
+FROM agent_messages_archive a
+WHERE a.id = %(id)s AND NOT EXISTS (SELECT FROM agent_messages WHERE id = %(id)s)
+LIMIT 1;
 
 -- name: message_transitions :many
 -- The transition log of one message, oldest first.

@@ -77,9 +77,7 @@ def test_two_concurrent_migrations_are_safe(empty_db: str) -> None:
     assert [v for v, _ in _applied(empty_db)] == [m.version for m in discover()]
 
 
-def test_changed_applied_file_is_refused_and_nothing_changes(
-    empty_db: str, tmp_path: Path
-) -> None:
+def test_changed_applied_file_is_refused_and_nothing_changes(empty_db: str, tmp_path: Path) -> None:
     copy = tmp_path / "sql"
     shutil.copytree(sql_dir(), copy)
     migrations = sorted((copy / "migrations").glob("*.sql"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -39,13 +40,11 @@ async def _seed(bus: Bus) -> dict[str, list[int]]:
     # Give globex some history: one done, one dead.
     claimed = await bus.claim("w", tenant="globex", limit=2, now=T0)
     await bus.complete(claimed[0].lease, {"ok": True}, now=T0)
-    await bus.store.fail(  # type: ignore[call-arg]
-        claimed[1].lease, error="x", retry_delay=timedelta(0), actor="w", now=T0
-    )
+    await bus.store.fail(claimed[1].lease, error="x", retry_delay=timedelta(0), actor="w", now=T0)
     return ids
 
 
-async def _count(conn: psycopg.AsyncConnection, table: str) -> int:  # type: ignore[type-arg]
+async def _count(conn: Any, table: str) -> int:
     row = await (await conn.execute(f"SELECT count(*) AS n FROM {table}")).fetchone()
     assert row is not None
     return int(row["n"])
@@ -109,9 +108,7 @@ async def test_no_tenant_set_sees_nothing_and_writes_nothing(bus: Bus, db: Datab
             assert await _count(conn, "agent_messages") == 0
 
 
-async def test_tenant_setting_does_not_leak_to_the_next_pool_user(
-    bus: Bus, db: Database
-) -> None:
+async def test_tenant_setting_does_not_leak_to_the_next_pool_user(bus: Bus, db: Database) -> None:
     await _seed(bus)
     async with db.tenant_tx("acme") as conn:
         assert await _count(conn, "agent_messages") == 5

@@ -1,0 +1,504 @@
+"""The stage runner: wakes on the doorbell or the fallback poll, claims work into free lane
+slots, runs stage handlers, heartbeats their leases, and acknowledges results in batches.
+
+Correctness rests on the store's fenced statements; the doorbell only makes pick-up fast. The
+runner never dies with a handler: an exception fails that attempt and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from appliance.bus.slots import LaneSlots
+from appliance.domain.envelope import Lane, LeaseRef, Message
+from appliance.domain.pipeline import Registry, StageContext, StageResult
+from appliance.domain.ports import AckOutcome, Completion, Doorbell, RunnerStore
+from appliance.domain.retry import RetryPolicy
+
+log = logging.getLogger("appliance.runner")
+
+CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How one runner process behaves (validated settings land here)."""
+
+    worker_id: str = field(default_factory=default_worker_id)
+    concurrency: int = 8
+    reserved_interactive: int = 2
+    reserved_system: int = 1
+    tenant_limit: int = 8
+    lease: timedelta = timedelta(seconds=30)
+    poll_interval: timedelta = timedelta(seconds=30)
+    poll_jitter: float = 0.2
+    drain_timeout: timedelta = timedelta(seconds=10)
+    cancel_grace: timedelta = timedelta(seconds=5)
+    claim_batch: int = 10
+    reclaim_every: timedelta = timedelta(seconds=1)
+    report_every: timedelta = timedelta(seconds=5)
+
+    @property
+    def heartbeat_every(self) -> timedelta:
+        return self.lease / 3
+
+
+@dataclass(frozen=True)
+class AttemptStop:
+    """Why a running attempt must stop before its handler returns."""
+
+    CANCELLED = "cancelled"
+    LEASE_LOST = "lease_lost"
+    OVERRUN = "overrun"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass
+class _Attempt:
+    message: Message
+    context: StageContext
+    cancelled: asyncio.Event
+    task: asyncio.Task[None] | None = None
+    stop_reason: str | None = None
+    hard_cancel_at: float | None = None
+    acked: bool = False
+
+    @property
+    def lease(self) -> LeaseRef:
+        return self.message.lease
+
+
+@dataclass
+class RunnerStats:
+    """Counters a runner reports (mirrored into `runners` and the cockpit)."""
+
+    claimed: int = 0
+    completed: int = 0
+    failed: int = 0
+    late_acks: int = 0
+    released: int = 0
+    abandoned: int = 0
+    missed_wakeups: int = 0
+    last_missed_wakeup_at: datetime | None = None
+    wakeups_rung: int = 0
+    polls: int = 0
+
+
+class Runner:
+    """One asyncio runner: claim -> execute -> heartbeat -> complete, until told to stop."""
+
+    def __init__(
+        self,
+        store: RunnerStore,
+        registry: Registry,
+        config: RunnerConfig | None = None,
+        *,
+        doorbell: Doorbell | None = None,
+        retry: RetryPolicy | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.config = config or RunnerConfig()
+        self.doorbell = doorbell
+        self.retry = retry or RetryPolicy()
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.slots = LaneSlots(
+            self.config.concurrency,
+            self.config.reserved_interactive,
+            self.config.reserved_system,
+        )
+        self.stats = RunnerStats()
+        self._attempts: dict[int, _Attempt] = {}
+        self._acks: list[tuple[_Attempt, Completion]] = []
+        self._ack_ready = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._rung = False
+        self._stopping = False
+        self._next_local_wake: float | None = None
+        self._last_reclaim = 0.0
+        self.started_at = self.clock()
+
+    # -- the main loop ------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, then drain gracefully."""
+        await self.store.register_runner(self._info())
+        if self.doorbell is not None:
+            await self.doorbell.start()
+        side = [
+            asyncio.create_task(self._ack_loop(), name="acks"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeats"),
+            asyncio.create_task(self._report_loop(), name="report"),
+            asyncio.create_task(self._stop_watch(stop), name="stop-watch"),
+        ]
+        if self.doorbell is not None:
+            side.append(asyncio.create_task(self._doorbell_loop(), name="doorbell"))
+        try:
+            # After every (re)start: sweep for work first, then wait.
+            self._wake.set()
+            while not stop.is_set():
+                await self._wait_for_reason()
+                if stop.is_set():
+                    break
+                polled = not self._rung
+                self._rung = False
+                if polled:
+                    self.stats.polls += 1
+                claimed = await self._fill(polled)
+                if claimed and any(self.slots.free(lane) for lane in CLAIM_ORDER):
+                    self._wake.set()  # a full claim may have left more behind
+        finally:
+            self._stopping = True
+            await self._drain()
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            await self._flush_acks()
+            with contextlib.suppress(Exception):
+                await self.store.report_runner({**self._info(), "stopped_at": self.clock()})
+            if self.doorbell is not None:
+                await self.doorbell.close()
+
+    async def _stop_watch(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._stopping = True
+        self._wake.set()
+
+    def _poll_timeout(self) -> float:
+        base = self.config.poll_interval.total_seconds()
+        jitter = self.config.poll_jitter
+        timeout = base * self.rng.uniform(1 - jitter, 1 + jitter)
+        if self._next_local_wake is not None:
+            timeout = max(0.0, min(timeout, self._next_local_wake - time.monotonic()))
+        return timeout
+
+    async def _wait_for_reason(self) -> None:
+        if not self._wake.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll_timeout())
+        if self._next_local_wake is not None and time.monotonic() >= self._next_local_wake:
+            self._next_local_wake = None
+        self._wake.clear()
+
+    async def _doorbell_loop(self) -> None:
+        assert self.doorbell is not None
+        while True:
+            try:
+                if await self.doorbell.wait(1.0):
+                    self.stats.wakeups_rung += 1
+                    self._rung = True
+                    self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the doorbell reconnects itself; never let it take the loop down
+                log.exception("doorbell failed; relying on the fallback poll")
+                await asyncio.sleep(1.0)
+
+    # -- claiming ------------------------------------------------------------------------------
+
+    async def _fill(self, polled: bool) -> int:
+        """Claim into every free slot, lane by lane in strict order; returns how many."""
+        if self._stopping:
+            return 0
+        now_mono = time.monotonic()
+        if now_mono - self._last_reclaim >= self.config.reclaim_every.total_seconds():
+            self._last_reclaim = now_mono
+            # Reclaim on the claim path too (bounded): a stalled sweeper must not strand work.
+            try:
+                await self.store.reclaim(batch=20, now=None)
+            except Exception:
+                log.exception("reclaim on the claim path failed")
+        total = 0
+        for lane in CLAIM_ORDER:
+            free = self.slots.free(lane)
+            if free <= 0:
+                continue
+            try:
+                messages = await self.store.claim_lane(
+                    worker=self.config.worker_id,
+                    lane=lane,
+                    limit=min(free, self.config.claim_batch),
+                    lease=self.config.lease,
+                    tenant_limit=self.config.tenant_limit,
+                    now=None,
+                )
+            except Exception:
+                log.exception("claim failed; retrying on the next wake-up")
+                self._schedule_local_wake(1.0)
+                return total
+            for message in messages:
+                self._start(message)
+            total += len(messages)
+            if polled and self.doorbell is not None and self.doorbell.connected:
+                missed = [m for m in messages if m.attempts == 1 and m.not_before <= m.created_at]
+                if missed:
+                    self.stats.missed_wakeups += len(missed)
+                    self.stats.last_missed_wakeup_at = self.clock()
+        self.stats.claimed += total
+        return total
+
+    def _schedule_local_wake(self, seconds: float) -> None:
+        at = time.monotonic() + max(0.0, seconds)
+        if self._next_local_wake is None or at < self._next_local_wake:
+            self._next_local_wake = at
+
+    def _deadline_of(self, message: Message) -> datetime | None:
+        run_deadline = message.extra.get("run_deadline")
+        candidates = [d for d in (message.deadline, run_deadline) if d is not None]
+        return min(candidates) if candidates else None
+
+    def _start(self, message: Message) -> None:
+        self.slots.take(message.lane)
+        cancelled = asyncio.Event()
+        context = StageContext(
+            message, deadline=self._deadline_of(message), cancelled=cancelled, clock=self.clock
+        )
+        attempt = _Attempt(message=message, context=context, cancelled=cancelled)
+        self._attempts[message.id] = attempt
+        attempt.task = asyncio.create_task(self._execute(attempt), name=f"message-{message.id}")
+
+    # -- executing -----------------------------------------------------------------------------
+
+    async def _execute(self, attempt: _Attempt) -> None:
+        message = attempt.message
+        stage = self.registry.stage(message.pipeline, message.stage)
+        try:
+            if stage is None:
+                await self._fail(
+                    attempt, f"no handler registered for {message.pipeline}.{message.stage}"
+                )
+                return
+            deadline = attempt.context.deadline
+            timeout = None
+            if deadline is not None:
+                timeout = max(0.0, (deadline - self.clock()).total_seconds())
+            limit = asyncio.timeout(timeout)
+            try:
+                async with limit:
+                    # Typed as object: a handler from elsewhere may return anything at run time.
+                    result = cast(object, await stage.handler(attempt.context))
+            except TimeoutError:
+                if not limit.expired():
+                    raise
+                await self._overran(attempt)
+                return
+            if not isinstance(result, StageResult):
+                await self._fail(
+                    attempt,
+                    f"handler {message.pipeline}.{message.stage} returned "
+                    f"{type(result).__name__}, not a StageResult (use ctx.finish(...))",
+                )
+                return
+            attempt.acked = True
+            self._acks.append((attempt, Completion(attempt.lease, result.result, result.outcome)))
+            self._ack_ready.set()
+        except asyncio.CancelledError:
+            # Cancelled by us: the message was cancelled, its lease lost, or we are stopping.
+            # There is nothing to write: the store already knows, or the drain releases it.
+            return
+        except Exception as exc:
+            log.warning("handler %s.%s failed: %r", message.pipeline, message.stage, exc)
+            await self._fail(attempt, f"{type(exc).__name__}: {exc}")
+        finally:
+            if not attempt.acked:
+                self._finish(attempt)
+
+    async def _overran(self, attempt: _Attempt) -> None:
+        message = attempt.message
+        now = self.clock()
+        if message.deadline is not None and now >= message.deadline:
+            with contextlib.suppress(Exception):
+                await self.store.expire_running(
+                    attempt.lease, reason="deadline_passed", actor=self.config.worker_id, now=None
+                )
+            return
+        await self._fail(attempt, "exceeded the stage's maximum runtime")
+
+    async def _fail(self, attempt: _Attempt, error: str) -> None:
+        delay = self.retry.delay(attempt.message.attempts, self.rng)
+        try:
+            await self.store.fail(
+                attempt.lease,
+                error=error,
+                retry_delay=delay,
+                actor=self.config.worker_id,
+                now=None,
+            )
+            self.stats.failed += 1
+            self._schedule_local_wake(delay.total_seconds())
+        except Exception:
+            # The lease will lapse and the reclaimer will retry the message.
+            log.exception("could not record the failure of message %s", attempt.message.id)
+
+    def _finish(self, attempt: _Attempt) -> None:
+        if self._attempts.pop(attempt.message.id, None) is not None:
+            self.slots.give(attempt.message.lane)
+            self._wake.set()
+
+    # -- acknowledgements ------------------------------------------------------------------------
+
+    async def _ack_loop(self) -> None:
+        while True:
+            await self._ack_ready.wait()
+            await self._flush_acks()
+
+    async def _flush_acks(self) -> None:
+        self._ack_ready.clear()
+        while self._acks:
+            batch, self._acks = self._acks, []
+            try:
+                outcomes = await self.store.complete(
+                    [c for _, c in batch], actor=self.config.worker_id, now=None
+                )
+            except Exception:
+                log.exception("acknowledging %d results failed; retrying", len(batch))
+                self._acks = batch + self._acks
+                await asyncio.sleep(0.5)
+                continue
+            for (attempt, _), outcome in zip(batch, outcomes, strict=True):
+                if outcome is AckOutcome.APPLIED:
+                    self.stats.completed += 1
+                else:
+                    self.stats.late_acks += 1
+                self._finish(attempt)
+
+    # -- heartbeats ---------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        every = self.config.heartbeat_every.total_seconds()
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self._heartbeat_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("heartbeat failed; leases may lapse and be reclaimed")
+
+    async def _heartbeat_once(self) -> None:
+        now = time.monotonic()
+        for attempt in list(self._attempts.values()):
+            if attempt.hard_cancel_at is not None and now >= attempt.hard_cancel_at:
+                self._abandon(attempt)
+        live = [a for a in self._attempts.values() if a.stop_reason is None and not a.acked]
+        if not live:
+            return
+        results = await self.store.heartbeat_many(
+            [a.lease for a in live], extend=self.config.lease, now=None
+        )
+        for attempt, beat in zip(live, results, strict=True):
+            if beat.outcome is AckOutcome.APPLIED:
+                continue
+            reason = {
+                AckOutcome.CANCELLED: AttemptStop.CANCELLED,
+                AckOutcome.OVERRUN: AttemptStop.OVERRUN,
+            }.get(beat.outcome, AttemptStop.LEASE_LOST)
+            self._stop_attempt(attempt, reason)
+
+    def _stop_attempt(self, attempt: _Attempt, reason: str) -> None:
+        attempt.stop_reason = reason
+        attempt.context.cancel_reason = reason
+        attempt.cancelled.set()
+        log.info("message %s: stopping its handler (%s)", attempt.message.id, reason)
+        if reason == AttemptStop.LEASE_LOST:
+            # Its writes would be refused anyway: stop now and free the slot.
+            if attempt.task is not None:
+                attempt.task.cancel()
+        else:
+            # Cooperative first: the handler sees ctx.cancelled; after the grace, we cancel it.
+            attempt.hard_cancel_at = time.monotonic() + self.config.cancel_grace.total_seconds()
+
+    def _abandon(self, attempt: _Attempt) -> None:
+        if attempt.task is not None and not attempt.task.done():
+            attempt.task.cancel()
+        if attempt.hard_cancel_at is not None and attempt.stop_reason == AttemptStop.OVERRUN:
+            # A handler that ignores cancellation keeps its task; its slot is given back so a
+            # wedged handler cannot take the runner's capacity with it.
+            self.stats.abandoned += 1
+            attempt.hard_cancel_at = None
+            self._finish(attempt)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        tasks = [a.task for a in self._attempts.values() if a.task is not None]
+        if tasks:
+            log.info("draining %d running handlers", len(tasks))
+            await asyncio.wait(tasks, timeout=self.config.drain_timeout.total_seconds())
+        await self._flush_acks()
+        left = [a for a in self._attempts.values() if not a.acked]
+        if not left:
+            return
+        for attempt in left:
+            attempt.stop_reason = AttemptStop.SHUTDOWN
+            attempt.cancelled.set()
+            if attempt.task is not None:
+                attempt.task.cancel()
+        pending = [a.task for a in left if a.task is not None and not a.task.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+        # A handler may still have returned in that last second: its result wins.
+        await self._flush_acks()
+        left = [a for a in left if not a.acked]
+        leases = [a.lease for a in left]
+        try:
+            released = await self.store.release(leases, actor=self.config.worker_id, now=None)
+            self.stats.released += released
+            log.info("gave back %d leases without counting an attempt", released)
+        except Exception:
+            log.exception("could not give back leases; they will lapse and be reclaimed")
+        for attempt in left:
+            self._finish(attempt)
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def _info(self) -> dict[str, Any]:
+        return {
+            "id": self.config.worker_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "seen_at": self.clock(),
+            "listener_connected": bool(self.doorbell and self.doorbell.connected),
+            "last_missed_wakeup_at": self.stats.last_missed_wakeup_at,
+            "missed_wakeups": self.stats.missed_wakeups,
+            "claimed": self.stats.claimed,
+            "completed": self.stats.completed,
+            "failed": self.stats.failed,
+            "stats": {
+                "running": {lane.value: n for lane, n in self.slots.running.items()},
+                "concurrency": self.config.concurrency,
+                "late_acks": self.stats.late_acks,
+                "released": self.stats.released,
+                "abandoned": self.stats.abandoned,
+                "wakeups_rung": self.stats.wakeups_rung,
+                "polls": self.stats.polls,
+            },
+        }
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.report_every.total_seconds())
+            try:
+                await self.store.report_runner(self._info())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("could not report runner health")

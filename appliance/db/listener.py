@@ -1,0 +1,113 @@
+"""The doorbell: a dedicated LISTEN connection, health-checked, reconnected with backoff.
+
+It is never shared with queries (a shared one adds a constant tail to both). After every
+(re)connect it LISTENs first and then rings once, so the runner sweeps for work that arrived
+while it was deaf; only then does it wait. A notification is a hint, never data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+
+import psycopg
+
+from appliance.db.database import SEARCH_PATH_OPTION
+
+log = logging.getLogger("appliance.db.listener")
+
+CHANNEL = "appliance_work"
+
+
+class PgDoorbell:
+    """Rings when a notification arrives on `appliance_work` (or after a reconnect)."""
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        channel: str = CHANNEL,
+        health_every: float = 10.0,
+        backoff_max: float = 5.0,
+    ) -> None:
+        self.conninfo = conninfo
+        self.channel = channel
+        self.health_every = health_every
+        self.backoff_max = backoff_max
+        self._ring = asyncio.Event()
+        self._conn: psycopg.AsyncConnection[tuple[object, ...]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._connected = False
+        self.reconnects = 0
+        self.backend_pid: int | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="doorbell")
+
+    async def wait(self, timeout: float) -> bool:
+        """True when rung within `timeout` seconds (the ring is consumed)."""
+        try:
+            await asyncio.wait_for(self._ring.wait(), timeout)
+        except TimeoutError:
+            return False
+        self._ring.clear()
+        return True
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self._disconnect()
+
+    async def _disconnect(self) -> None:
+        self._connected = False
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+            self._conn = None
+
+    async def _connect(self) -> None:
+        conn = await psycopg.AsyncConnection.connect(
+            self.conninfo, autocommit=True, options=SEARCH_PATH_OPTION
+        )
+        # LISTEN first, then ring: work committed while we were away is swept, not lost.
+        await conn.execute(f"LISTEN {self.channel}")
+        self._conn = conn
+        self.backend_pid = conn.info.backend_pid
+        self._connected = True
+        self._ring.set()
+
+    async def _healthy(self) -> bool:
+        assert self._conn is not None
+        cur = await self._conn.execute("SELECT %s = ANY(pg_listening_channels())", (self.channel,))
+        row = await cur.fetchone()
+        return bool(row and row[0])
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                if self._conn is None:
+                    await self._connect()
+                    backoff = 0.1
+                assert self._conn is not None
+                async for _ in self._conn.notifies(timeout=self.health_every):
+                    self._ring.set()
+                if not await self._healthy():
+                    raise psycopg.OperationalError("the LISTEN registration was lost")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._connected:
+                    log.warning("doorbell connection lost (%s); reconnecting", exc)
+                await self._disconnect()
+                self.reconnects += 1
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, self.backoff_max)

@@ -1,0 +1,217 @@
+"""The runner's side of the envelope in PostgreSQL: fair lane claims, batched heartbeats,
+release, stage graphs, runner health and archival (the RunnerStore port)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore, row_to_message
+from appliance.db.queries import q
+from appliance.domain.envelope import Lane, LeaseRef, Message, MessageStatus
+from appliance.domain.pipeline import Pipeline
+from appliance.domain.ports import AckOutcome, BusStatus, HeartbeatResult, RunnerInfo
+
+# A stage not declared in any pipeline still gets a hard runtime limit.
+DEFAULT_MAX_RUNTIME = timedelta(minutes=10)
+
+
+class PgRunnerStore(PgMessageStore):
+    """Everything the runner and the maintenance services need, on top of the envelope."""
+
+    async def claim_lane(
+        self,
+        *,
+        worker: str,
+        lane: Lane,
+        limit: int,
+        lease: timedelta,
+        tenant_limit: int,
+        now: datetime | None = None,
+        tenant: str | None = None,
+        max_runtime: timedelta = DEFAULT_MAX_RUNTIME,
+    ) -> list[Message]:
+        """Lease up to `limit` messages of one lane, fairly across tenants."""
+        if limit <= 0:
+            return []
+        params = {
+            "worker": worker,
+            "lane": lane.value,
+            "limit": limit,
+            "lease": lease,
+            "tenant_limit": tenant_limit,
+            "tenant": tenant,
+            "max_runtime": max_runtime,
+            "now": now,
+        }
+        async with self.db.system_tx(durable=False) as conn:
+            rows = await (await conn.execute(q("message_claim_lane"), params)).fetchall()
+        messages = [row_to_message(r) for r in rows]
+        messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
+        return messages
+
+    async def heartbeat_many(
+        self, leases: Sequence[LeaseRef], *, extend: timedelta, now: datetime | None = None
+    ) -> list[HeartbeatResult]:
+        """Extend many leases in one statement; each answer says whether to keep going."""
+        if not leases:
+            return []
+        params = {
+            "id": [lease.message_id for lease in leases],
+            "token": [lease.lease_token for lease in leases],
+            "extend": extend,
+            "now": now,
+        }
+        async with self.db.system_tx(durable=False) as conn:
+            rows = await (await conn.execute(q("message_heartbeat_many"), params)).fetchall()
+        by_id: dict[int, HeartbeatResult] = {}
+        for row in rows:
+            if row["lease_expires_at"] is not None:
+                by_id[row["id"]] = HeartbeatResult(AckOutcome.APPLIED, row["lease_expires_at"])
+            elif row["same_lease"] and row["status"] == MessageStatus.CANCELLED:
+                by_id[row["id"]] = HeartbeatResult(AckOutcome.CANCELLED)
+            elif row["same_lease"] and row["status"] == MessageStatus.RUNNING:
+                by_id[row["id"]] = HeartbeatResult(AckOutcome.OVERRUN)
+            else:
+                by_id[row["id"]] = HeartbeatResult(AckOutcome.STALE)
+        return [by_id.get(lease.message_id, HeartbeatResult(AckOutcome.STALE)) for lease in leases]
+
+    async def release(
+        self, leases: Sequence[LeaseRef], *, actor: str = SYSTEM_ACTOR, now: datetime | None = None
+    ) -> int:
+        """Give leases back without counting the attempt; how many were still held."""
+        if not leases:
+            return 0
+        params = {
+            "id": [lease.message_id for lease in leases],
+            "token": [lease.lease_token for lease in leases],
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            rows = await (await conn.execute(q("message_release"), params)).fetchall()
+        return len(rows)
+
+    async def expire_running(
+        self,
+        lease: LeaseRef,
+        *,
+        reason: str = "deadline_passed",
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> bool:
+        """Expire a running attempt whose message's deadline passed (fenced by the lease)."""
+        params = {
+            "id": lease.message_id,
+            "token": lease.lease_token,
+            "reason": reason,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_expire_running"), params)).fetchone()
+        return row is not None
+
+    async def archive(
+        self, *, retention: timedelta, batch: int = 1000, now: datetime | None = None
+    ) -> int:
+        """Move one bounded batch of old terminal messages to the monthly archive."""
+        params = {"retention": retention, "batch": batch, "now": now}
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_archive"), params)).fetchone()
+        return int(row["moved"]) if row else 0
+
+    # -- stage graphs ---------------------------------------------------------------------------
+
+    async def sync_pipelines(self, pipelines: Sequence[Pipeline]) -> None:
+        """Write each declared pipeline's stage graph, replacing what was there (one tx each)."""
+        for pipeline in pipelines:
+            rows = pipeline.rows()
+            async with self.db.system_tx() as conn:
+                # Serialise concurrent syncs of the same pipeline (several runners start at once).
+                await conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtext('pipeline:' || %s))", (pipeline.name,)
+                )
+                await conn.execute(q("pipeline_routes_clear"), {"pipeline": pipeline.name})
+                for row in rows:
+                    await conn.execute(
+                        q("pipeline_stage_upsert"), {k: v for k, v in row.items() if k != "routes"}
+                    )
+                for row in rows:
+                    for outcome, target in row["routes"].items():
+                        await conn.execute(
+                            q("pipeline_route_insert"),
+                            {
+                                "pipeline": pipeline.name,
+                                "stage": row["stage"],
+                                "outcome": outcome,
+                                "next_stage": target,
+                            },
+                        )
+                await conn.execute(
+                    q("pipeline_stages_prune"),
+                    {"pipeline": pipeline.name, "stages": [r["stage"] for r in rows]},
+                )
+
+    # -- runner health --------------------------------------------------------------------------
+
+    async def register_runner(self, info: dict[str, Any]) -> None:
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("runner_register"), info)
+
+    async def report_runner(self, info: dict[str, Any]) -> None:
+        params = {**info, "stats": Jsonb(info.get("stats", {}))}
+        params.setdefault("stopped_at", None)
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("runner_report"), params)
+
+    async def runners(self, *, now: datetime | None = None) -> list[RunnerInfo]:
+        async with self.db.system_conn() as conn:
+            rows = await (await conn.execute(q("runner_list"), {"now": now})).fetchall()
+        found = []
+        for r in rows:
+            stats = r["stats"] if isinstance(r["stats"], dict) else json.loads(r["stats"])
+            seen = float(r["seen_age_s"])
+            found.append(
+                RunnerInfo(
+                    id=r["id"],
+                    host=r["host"],
+                    pid=r["pid"],
+                    seen_age_s=seen,
+                    # Alive: reported recently and did not say it stopped.
+                    alive=r["stopped_at"] is None and seen < 30.0,
+                    listener_connected=r["listener_connected"],
+                    last_missed_wakeup_age_s=(
+                        float(r["missed_age_s"]) if r["missed_age_s"] is not None else None
+                    ),
+                    missed_wakeups=r["missed_wakeups"],
+                    claimed=r["claimed"],
+                    completed=r["completed"],
+                    failed=r["failed"],
+                    stats=stats,
+                )
+            )
+        return found
+
+    async def status(self, *, now: datetime | None = None) -> BusStatus:
+        """The envelope's counts plus runners, reclaims and dedup activity, and stage counts."""
+        base = await super().status(now=now)
+        runners = await self.runners(now=now)
+        async with self.db.system_conn() as conn:
+            activity = await (await conn.execute(q("bus_activity"), {"now": now})).fetchone()
+            rows = await (await conn.execute(q("stage_counts"))).fetchall()
+        stages: dict[str, dict[str, int]] = {}
+        for r in rows:
+            stages.setdefault(f"{r['pipeline']}.{r['stage']}", {})[r["status"]] = r["n"]
+        return replace(
+            base,
+            runners=runners,
+            reclaims_last_hour=int(activity["reclaims"]) if activity else 0,
+            dedup_keys_hit_last_hour=int(activity["dedup_keys_hit"]) if activity else 0,
+            stages=dict(sorted(stages.items())),
+        )

@@ -1,0 +1,152 @@
+"""APScheduler (asyncio) wiring of the periodic services: reclaim, expire, archive, listener
+health, and declared schedules. Every job is safe when several runners run it at once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+
+from appliance.bus.core import Bus
+from appliance.db.runner_store import PgRunnerStore
+from appliance.domain.ports import Doorbell
+from appliance.domain.schedule import Schedule
+
+log = logging.getLogger("appliance.scheduler")
+
+EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+def schedule_trigger(schedule: Schedule) -> Any:
+    """The APScheduler trigger of a schedule; interval schedules are anchored at a fixed epoch so
+    that every runner computes the same fire times."""
+    if schedule.every is not None:
+        return IntervalTrigger(
+            seconds=schedule.every.total_seconds(), start_date=EPOCH, timezone=UTC
+        )
+    assert schedule.cron is not None
+    return CronTrigger.from_crontab(schedule.cron, timezone=UTC)
+
+
+def latest_fire_time(schedule: Schedule, now: datetime) -> datetime | None:
+    """The most recent scheduled time at or before `now` (the slot a firing stands for)."""
+    if schedule.every is not None:
+        period = schedule.every.total_seconds()
+        slots = int((now - EPOCH).total_seconds() // period)
+        return EPOCH + timedelta(seconds=slots * period)
+    trigger = schedule_trigger(schedule)
+    found = None
+    t = trigger.get_next_fire_time(None, now - timedelta(days=1))
+    while t is not None and t <= now:
+        found = t
+        t = trigger.get_next_fire_time(t, t + timedelta(microseconds=1))
+    return found
+
+
+async def fire(bus: Bus, schedule: Schedule, now: datetime) -> bool | None:
+    """Enqueue the current slot of a schedule; True if new, False if it was already fired."""
+    slot = latest_fire_time(schedule, now)
+    if slot is None:
+        return None
+    result = await bus.enqueue(
+        tenant=schedule.tenant,
+        pipeline=schedule.pipeline,
+        stage=schedule.stage,
+        source="schedule",
+        source_id=schedule.source_id(slot),
+        directive=schedule.directive,
+        context=schedule.context,
+        lane=schedule.lane,
+    )
+    return result.new
+
+
+class Maintenance:
+    """The periodic services of one runner process."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        store: PgRunnerStore,
+        *,
+        doorbell: Doorbell | None = None,
+        schedules: Sequence[Schedule] = (),
+        reclaim_every: timedelta = timedelta(seconds=1),
+        expire_every: timedelta = timedelta(seconds=5),
+        archive_every: timedelta = timedelta(seconds=60),
+        archive_retention: timedelta = timedelta(days=7),
+        archive_batch: int = 1000,
+    ) -> None:
+        self.bus = bus
+        self.store = store
+        self.doorbell = doorbell
+        self.schedules = list(schedules)
+        self.archive_retention = archive_retention
+        self.archive_batch = archive_batch
+        self.scheduler = AsyncIOScheduler(timezone=UTC)
+        every = {"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
+        self.scheduler.add_job(
+            self.reclaim, IntervalTrigger(seconds=reclaim_every.total_seconds()), **every
+        )
+        self.scheduler.add_job(
+            self.expire, IntervalTrigger(seconds=expire_every.total_seconds()), **every
+        )
+        self.scheduler.add_job(
+            self.archive, IntervalTrigger(seconds=archive_every.total_seconds()), **every
+        )
+        self.scheduler.add_job(self.listener_health, IntervalTrigger(seconds=10), **every)
+        for schedule in self.schedules:
+            self.scheduler.add_job(self.fire, schedule_trigger(schedule), args=[schedule], **every)
+        self.reclaimed = 0
+        self.expired = 0
+        self.archived = 0
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown(wait=False)
+
+    async def reclaim(self) -> None:
+        try:
+            ids = await self.bus.reclaim()
+            self.reclaimed += len(ids)
+            if ids:
+                log.info("reclaimed %d expired leases", len(ids))
+        except Exception:
+            log.exception("reclaim failed")
+
+    async def expire(self) -> None:
+        try:
+            self.expired += await self.bus.expire()
+        except Exception:
+            log.exception("expire failed")
+
+    async def archive(self) -> None:
+        """Archive in bounded batches until a short batch (or ten of them) says it is done."""
+        try:
+            for _ in range(10):
+                moved = await self.store.archive(
+                    retention=self.archive_retention, batch=self.archive_batch
+                )
+                self.archived += moved
+                if moved < self.archive_batch:
+                    break
+        except Exception:
+            log.exception("archive failed")
+
+    async def listener_health(self) -> None:
+        if self.doorbell is not None and not self.doorbell.connected:
+            log.warning("the doorbell is not connected; pick-up relies on the fallback poll")
+
+    async def fire(self, schedule: Schedule) -> None:
+        try:
+            new = await fire(self.bus, schedule, datetime.now(UTC))
+            log.info("schedule %s fired (%s)", schedule.name, "new" if new else "already fired")
+        except Exception:
+            log.exception("schedule %s failed to fire", schedule.name)

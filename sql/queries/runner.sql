@@ -1,0 +1,190 @@
+-- Named queries of the stage runner and its maintenance services.
+
+-- name: message_claim_lane :many
+-- Lease up to `limit` pending messages of one lane, tenants served round-robin (least recently served first, an equal share each) within their concurrency limits; a tenant's counter row is the serialisation point.
+WITH eligible AS MATERIALIZED (
+    SELECT r.tenant,
+           coalesce(t.max_running, %(tenant_limit)s) - r.running AS room,
+           r.last_claimed_at
+    FROM tenant_runtime r
+    JOIN tenants t ON t.name = r.tenant
+    WHERE r.running < coalesce(t.max_running, %(tenant_limit)s)
+      AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s::text)
+      AND EXISTS (
+          SELECT FROM agent_messages m
+          WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = r.tenant
+            AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+      )
+    ORDER BY r.last_claimed_at NULLS FIRST, r.tenant
+    LIMIT %(limit)s
+    FOR UPDATE OF r SKIP LOCKED
+),
+shares AS (
+    SELECT e.tenant, e.last_claimed_at,
+           least(e.room, ceil(%(limit)s::numeric / count(*) OVER ())::integer) AS share
+    FROM eligible e
+),
+picked AS MATERIALIZED (
+    SELECT c.id, ps.max_runtime
+    FROM shares s
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.pipeline, m.stage
+        FROM agent_messages m
+        WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = s.tenant
+          AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+          AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
+        ORDER BY m.priority DESC, m.not_before, m.id
+        LIMIT s.share
+        FOR UPDATE OF m SKIP LOCKED
+    ) AS c
+    LEFT JOIN pipeline_stages ps ON ps.pipeline = c.pipeline AND ps.stage = c.stage
+    LIMIT %(limit)s
+)
+UPDATE agent_messages m
+SET status = 'running',
+    attempts = m.attempts + 1,
+    lease_token = nextval('agent_messages_lease_token_seq'),
+    run_deadline = coalesce(%(now)s::timestamptz, now())
+        + coalesce(picked.max_runtime, %(max_runtime)s::interval),
+    lease_expires_at = least(
+        coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
+        coalesce(%(now)s::timestamptz, now())
+            + coalesce(picked.max_runtime, %(max_runtime)s::interval)),
+    claimed_by = %(worker)s,
+    claimed_at = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    outcome = NULL,
+    status_reason = 'claimed',
+    status_actor = %(worker)s
+FROM picked
+WHERE m.id = picked.id
+RETURNING m.*;
+
+-- name: message_heartbeat_many :many
+-- Extend many leases at once, never past each attempt's hard run deadline; report every lease's fate (extended, cancelled, lost, overrun).
+WITH input AS (
+    SELECT * FROM unnest(%(id)s::bigint[], %(token)s::bigint[]) AS i(id, token)
+),
+beat AS (
+    UPDATE agent_messages m
+    SET lease_expires_at = least(
+            coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval,
+            coalesce(m.run_deadline, 'infinity'::timestamptz))
+    FROM input i
+    WHERE m.id = i.id AND m.lease_token = i.token AND m.status = 'running'
+      AND coalesce(m.run_deadline, 'infinity'::timestamptz)
+          > coalesce(%(now)s::timestamptz, now())
+    RETURNING m.id, m.lease_expires_at
+)
+SELECT i.id, beat.lease_expires_at, m.status, m.lease_token = i.token AS same_lease,
+       m.run_deadline
+FROM input i
+LEFT JOIN beat ON beat.id = i.id
+LEFT JOIN agent_messages m ON m.id = i.id;
+
+-- name: message_release :many
+-- Give leases back without counting the attempt (graceful shutdown): running -> pending now.
+WITH input AS (
+    SELECT * FROM unnest(%(id)s::bigint[], %(token)s::bigint[]) AS i(id, token)
+)
+UPDATE agent_messages m
+SET status = 'pending',
+    attempts = greatest(m.attempts - 1, 0),
+    lease_expires_at = NULL,
+    not_before = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = 'released',
+    status_actor = %(actor)s
+FROM input i
+WHERE m.id = i.id AND m.lease_token = i.token AND m.status = 'running'
+RETURNING m.id;
+
+-- name: message_expire_running :one
+-- Expire a running attempt under its lease (its message's deadline passed while it ran).
+UPDATE agent_messages
+SET status = 'expired',
+    lease_expires_at = NULL,
+    finished_at = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+WHERE id = %(id)s AND lease_token = %(token)s AND status = 'running'
+RETURNING id;
+
+-- name: message_archive :one
+-- Move one bounded batch of terminal messages finished before the cutoff to the archive.
+SELECT archive_messages(
+    coalesce(%(now)s::timestamptz, now()) - %(retention)s::interval,
+    %(batch)s,
+    %(now)s::timestamptz
+) AS moved;
+
+-- name: pipeline_stage_upsert :exec
+-- Write one declared stage (the runner syncs its pipelines' graphs on start).
+INSERT INTO pipeline_stages
+    (pipeline, stage, lane, task_kind, handler, directive, max_runtime, max_attempts, updated_at)
+VALUES (%(pipeline)s, %(stage)s, %(lane)s::lane, %(task_kind)s, %(handler)s, %(directive)s,
+        %(max_runtime)s, %(max_attempts)s, now())
+ON CONFLICT (pipeline, stage) DO UPDATE
+SET lane = excluded.lane, task_kind = excluded.task_kind, handler = excluded.handler,
+    directive = excluded.directive, max_runtime = excluded.max_runtime,
+    max_attempts = excluded.max_attempts, updated_at = excluded.updated_at;
+
+-- name: pipeline_routes_clear :exec
+-- Forget a pipeline's routes before writing the declared ones.
+DELETE FROM stage_routes WHERE pipeline = %(pipeline)s;
+
+-- name: pipeline_route_insert :exec
+-- Write one declared route: outcome of a stage -> next stage.
+INSERT INTO stage_routes (pipeline, stage, outcome, next_stage)
+VALUES (%(pipeline)s, %(stage)s, %(outcome)s, %(next_stage)s);
+
+-- name: pipeline_stages_prune :exec
+-- Forget stages a pipeline no longer declares.
+DELETE FROM pipeline_stages WHERE pipeline = %(pipeline)s AND NOT (stage = ANY(%(stages)s));
+
+-- name: runner_register :exec
+-- Record a runner at start (a restart with the same id starts afresh).
+INSERT INTO runners AS r (id, host, pid, started_at, seen_at, listener_connected)
+VALUES (%(id)s, %(host)s, %(pid)s, %(started_at)s, %(seen_at)s, %(listener_connected)s)
+ON CONFLICT (id) DO UPDATE
+SET host = excluded.host, pid = excluded.pid, started_at = excluded.started_at,
+    seen_at = excluded.seen_at, stopped_at = NULL, listener_connected = excluded.listener_connected,
+    last_missed_wakeup_at = NULL, missed_wakeups = 0, claimed = 0, completed = 0, failed = 0,
+    stats = '{}'::jsonb;
+
+-- name: runner_report :exec
+-- A runner's periodic health report.
+UPDATE runners
+SET seen_at = %(seen_at)s, stopped_at = %(stopped_at)s,
+    listener_connected = %(listener_connected)s,
+    last_missed_wakeup_at = %(last_missed_wakeup_at)s, missed_wakeups = %(missed_wakeups)s,
+    claimed = %(claimed)s, completed = %(completed)s, failed = %(failed)s, stats = %(stats)s
+WHERE id = %(id)s;
+
+-- name: runner_list :many
+-- Runners seen in the last day, newest first, with their ages by the database clock.
+SELECT id, host, pid, listener_connected, missed_wakeups, claimed, completed, failed, stats,
+       stopped_at,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - seen_at) AS seen_age_s,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - last_missed_wakeup_at)
+           AS missed_age_s
+FROM runners
+WHERE seen_at > coalesce(%(now)s::timestamptz, now()) - interval '1 day'
+ORDER BY seen_at DESC;
+
+-- name: bus_activity :one
+-- Reclaims and keys hit by duplicates in the last hour (dispatch and dedup health).
+SELECT
+    (SELECT count(*) FROM message_transitions
+     WHERE reason = 'lease_expired'
+       AND at > coalesce(%(now)s::timestamptz, now()) - interval '1 hour') AS reclaims,
+    (SELECT count(*) FROM idempotency_keys
+     WHERE last_hit_at > coalesce(%(now)s::timestamptz, now()) - interval '1 hour')
+        AS dedup_keys_hit;
+
+-- name: stage_counts :many
+-- Messages in the hot table by pipeline, stage and status.
+SELECT pipeline, stage, status, count(*) AS n
+FROM agent_messages
+GROUP BY pipeline, stage, status;

@@ -1,0 +1,368 @@
+"""The runner's store against real PostgreSQL: fair claims, tenant limits, hand-off, archive,
+schedules and the claim's cost with a large history. Time is injected, nothing sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.bus.core import Bus, BusConfig
+from appliance.db.database import Database, Endpoints
+from appliance.db.queries import q
+from appliance.db.runner_store import PgRunnerStore
+from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.envelope import Lane, MessageStatus, idempotency_key
+from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
+from appliance.domain.ports import AckOutcome, Completion
+from appliance.domain.schedule import Schedule
+from appliance.scheduler import fire, latest_fire_time
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+LEASE = timedelta(seconds=30)
+
+
+async def noop(ctx: StageContext) -> StageResult:
+    return ctx.finish()
+
+
+CHAIN = Pipeline(
+    "chain",
+    (
+        Stage("a", noop, next={"ok": "b", "skip": "c"}),
+        Stage("b", noop, lane=Lane.BATCH, next={"ok": "c"}),
+        Stage("c", noop, max_runtime=timedelta(seconds=5)),
+    ),
+)
+
+
+@pytest.fixture
+async def rstore(db: Database, tenants: PgTenantStore) -> PgRunnerStore:
+    for name in ("acme", "globex", "small"):
+        await tenants.add(name)
+    store = PgRunnerStore(db)
+    await store.sync_pipelines([CHAIN])
+    return store
+
+
+def req(bus: Bus, sid: str, **kw: Any):
+    fields: dict[str, Any] = {
+        "tenant": "acme",
+        "pipeline": "chain",
+        "stage": "a",
+        "source": "t",
+        "source_id": sid,
+        "directive": "go",
+    }
+    fields.update(kw)
+    return bus.request(**fields)
+
+
+async def claim(store: PgRunnerStore, lane: Lane = Lane.INTERACTIVE, limit: int = 10, **kw):
+    return await store.claim_lane(
+        worker="w",
+        lane=lane,
+        limit=limit,
+        lease=LEASE,
+        tenant_limit=kw.pop("tenant_limit", 100),
+        now=kw.pop("now", T0),
+        **kw,
+    )
+
+
+async def test_sql_and_python_idempotency_keys_agree(db: Database) -> None:
+    samples = [("mail", "1", "intake"), ("s|1:", "x|2:y", "z"), ("ü", "日本", "ok"), ("a", "", "b")]
+    async with db.system_conn() as conn:
+        for source, sid, stage in samples:
+            row = await (
+                await conn.execute("SELECT idempotency_key(%s, %s, %s) AS k", (source, sid, stage))
+            ).fetchone()
+            assert row is not None and row["k"] == idempotency_key(source, sid, stage)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.text(max_size=8), st.text(max_size=8), st.text(max_size=8))
+def test_sql_key_equals_python_key_for_any_text(pg_server, a: str, b: str, c: str) -> None:
+    # NUL cannot be stored in PostgreSQL text; everything else must agree.
+    if "\x00" in a + b + c:
+        return
+    with psycopg.connect(pg_server.endpoints("appliance_template").system) as conn:
+        row = conn.execute("SELECT appliance.idempotency_key(%s, %s, %s)", (a, b, c)).fetchone()
+    assert row is not None and row[0] == idempotency_key(a, b, c)
+
+
+async def test_completion_hands_off_to_the_next_stage_exactly_once(rstore: PgRunnerStore) -> None:
+    bus = Bus(rstore)
+    first = await bus.enqueue_many([req(bus, "s1")], now=T0)
+    (m,) = await claim(rstore)
+    assert m.id == first[0].id
+    result = {"answer": 42}
+    assert await rstore.complete([Completion(m.lease, result)], actor="w", now=T0) == [
+        AckOutcome.APPLIED
+    ]
+    # A retried completion (same lease) changes nothing and enqueues nothing.
+    assert await rstore.complete([Completion(m.lease, result)], actor="w", now=T0) == [
+        AckOutcome.STALE
+    ]
+    (nxt,) = await claim(rstore, Lane.BATCH)
+    assert (nxt.stage, nxt.source_id, nxt.context, nxt.extra["hops"]) == ("b", "s1", result, 1)
+    assert nxt.idempotency_key == idempotency_key("t", "s1", "b")
+    assert nxt.directive == "chain: b"
+    # The outcome chooses the route: "skip" goes straight to c.
+    await bus.enqueue_many([req(bus, "s2")], now=T0)
+    (m2,) = await claim(rstore)
+    await rstore.complete([Completion(m2.lease, None, "skip")], actor="w", now=T0)
+    (c,) = await claim(rstore)
+    assert (c.stage, c.source_id, c.context) == ("c", "s2", None)
+    # c claims carry the stage's hard run deadline (5 s), which caps the lease.
+    assert c.extra["run_deadline"] == T0 + timedelta(seconds=5)
+    assert c.lease_expires_at == T0 + timedelta(seconds=5)
+
+
+async def test_concurrent_duplicate_completions_hand_off_once(
+    fresh_db: Endpoints, rstore: PgRunnerStore
+) -> None:
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, str(i)) for i in range(20)], now=T0)
+    claimed = await claim(rstore, limit=20)
+    other = Database(fresh_db, max_size=4)
+    await other.open()
+    try:
+        twin = PgRunnerStore(other)
+        done = [Completion(m.lease) for m in claimed]
+        a, b = await asyncio.gather(
+            rstore.complete(done, actor="x", now=T0), twin.complete(done, actor="y", now=T0)
+        )
+    finally:
+        await other.close()
+    assert sorted(o is AckOutcome.APPLIED for o in a + b).count(True) == 20
+    nxt = await claim(rstore, Lane.BATCH, limit=100)
+    assert len(nxt) == 20 and len({m.source_id for m in nxt}) == 20
+
+
+async def test_small_tenant_served_before_busy_one_drains_a_quarter(
+    rstore: PgRunnerStore,
+) -> None:
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, f"big{i}") for i in range(400)], now=T0)
+    served: list[str] = []
+    # Busy tenant has been served for a while when the small tenant's first message arrives.
+    for _ in range(5):
+        batch = await claim(rstore, limit=4)
+        served.extend(m.tenant for m in batch)
+    await bus.enqueue_many([req(bus, "small1", tenant="small")], now=T0)
+    while "small" not in served:
+        batch = await claim(rstore, limit=4)
+        assert batch
+        served.extend(m.tenant for m in batch)
+    big_before = served.index("small")
+    assert big_before < 100, big_before
+    assert big_before <= 20 + 4  # in fact within one claim of its arrival
+
+
+async def test_tenants_share_a_claim_round_robin(rstore: PgRunnerStore) -> None:
+    bus = Bus(rstore)
+    for tenant in ("acme", "globex", "small"):
+        await bus.enqueue_many([req(bus, str(i), tenant=tenant) for i in range(30)], now=T0)
+    batch = await claim(rstore, limit=9)
+    assert sorted(m.tenant for m in batch) == ["acme"] * 3 + ["globex"] * 3 + ["small"] * 3
+
+
+async def test_tenant_limit_is_never_exceeded_under_concurrent_claimers(
+    fresh_db: Endpoints, rstore: PgRunnerStore
+) -> None:
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, str(i)) for i in range(200)], now=T0)
+    dbs = [Database(fresh_db, max_size=2) for _ in range(6)]
+    for d in dbs:
+        await d.open()
+    try:
+        stores = [PgRunnerStore(d) for d in dbs]
+        for _ in range(10):
+            results = await asyncio.gather(*(claim(s, limit=3, tenant_limit=4) for s in stores))
+            running = [m for r in results for m in r]
+            assert len(running) <= 4
+            async with dbs[0].system_conn() as conn:
+                row = await (
+                    await conn.execute(
+                        "SELECT count(*) AS n FROM agent_messages WHERE status = 'running'"
+                    )
+                ).fetchone()
+                counter = await (
+                    await conn.execute("SELECT running FROM tenant_runtime WHERE tenant = 'acme'")
+                ).fetchone()
+            assert row is not None and counter is not None
+            assert row["n"] == counter["running"] <= 4
+            await rstore.complete([Completion(m.lease) for m in running], actor="w", now=T0)
+    finally:
+        for d in dbs:
+            await d.close()
+
+
+async def test_tenant_own_limit_overrides_default(rstore: PgRunnerStore, db: Database) -> None:
+    async with db.system_conn() as conn:
+        await conn.execute("UPDATE tenants SET max_running = 1 WHERE name = 'acme'")
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, str(i)) for i in range(5)], now=T0)
+    assert len(await claim(rstore, limit=5, tenant_limit=10)) == 1
+    assert await claim(rstore, limit=5, tenant_limit=10) == []
+
+
+async def test_heartbeat_never_extends_past_run_deadline(rstore: PgRunnerStore) -> None:
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, "x", stage="c")], now=T0)
+    (m,) = await claim(rstore)
+    beat = await rstore.heartbeat_many([m.lease], extend=LEASE, now=T0 + timedelta(seconds=2))
+    assert beat[0].outcome is AckOutcome.APPLIED
+    assert beat[0].lease_expires_at == T0 + timedelta(seconds=5)
+    late = await rstore.heartbeat_many([m.lease], extend=LEASE, now=T0 + timedelta(seconds=6))
+    assert late[0].outcome is AckOutcome.OVERRUN
+    assert await rstore.reclaim(batch=10, now=T0 + timedelta(seconds=6)) == [m.id]
+
+
+async def test_release_gives_back_without_counting_an_attempt(rstore: PgRunnerStore) -> None:
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, "r")], now=T0)
+    (m,) = await claim(rstore)
+    assert m.attempts == 1
+    assert await rstore.release([m.lease], actor="w", now=T0) == 1
+    assert await rstore.release([m.lease], actor="w", now=T0) == 0
+    got = await rstore.get("acme", m.id)
+    assert got is not None and got.status is MessageStatus.PENDING and got.attempts == 0
+
+
+async def test_archive_keeps_log_and_idempotency_reachable(
+    rstore: PgRunnerStore, db: Database
+) -> None:
+    bus = Bus(rstore, BusConfig())
+    first = await bus.enqueue_many([req(bus, "old", stage="c")], now=T0)
+    (m,) = await claim(rstore)
+    await rstore.complete([Completion(m.lease, {"v": 1})], actor="w", now=T0)
+    moved = await rstore.archive(retention=timedelta(days=7), now=T0 + timedelta(days=8))
+    assert moved == 1
+    async with db.system_conn() as conn:
+        hot = await (await conn.execute("SELECT count(*) AS n FROM agent_messages")).fetchone()
+        part = await (
+            await conn.execute(
+                "SELECT tableoid::regclass::text AS p FROM agent_messages_archive WHERE id = %s",
+                (m.id,),
+            )
+        ).fetchone()
+    assert hot is not None and hot["n"] == 0
+    assert part is not None and part["p"] == "agent_messages_archive_y2026m11"
+    got = await rstore.get("acme", m.id)
+    assert got is not None and got.status is MessageStatus.DONE and got.result == {"v": 1}
+    assert [t["to_status"] for t in await rstore.transitions("acme", m.id)][-1] == "done"
+    again = await bus.enqueue_many([req(bus, "old", stage="c")], now=T0 + timedelta(days=9))
+    assert again[0].id == first[0].id and not again[0].new
+    assert await rstore.get("globex", m.id) is None
+
+
+async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoints) -> None:
+    # 1,000,000 finished messages (half archived) and a few pending ones: the claim must use
+    # the partial index and read a bounded number of rows.
+    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
+        conn.execute("SET search_path = appliance, pg_catalog")
+        conn.execute("INSERT INTO tenants (name) VALUES ('acme'), ('globex')")
+        conn.execute("SET session_replication_role = replica")  # bulk history: skip triggers
+        conn.execute(
+            "INSERT INTO agent_messages (id, tenant, pipeline, stage, source, source_id,"
+            " idempotency_key, directive, status, attempts, not_before, created_at, updated_at,"
+            " finished_at)"
+            " SELECT g, CASE WHEN g % 2 = 0 THEN 'acme' ELSE 'globex' END, 'p', 's', 'h',"
+            " g::text, 'k' || g, 'd', 'done', 1, t, t, t, t"
+            " FROM generate_series(1, 500000) g, LATERAL (SELECT timestamptz '2026-01-01'"
+            " + g * interval '1 second' AS t) x"
+        )
+        conn.execute(
+            "INSERT INTO agent_messages_archive (id, tenant, pipeline, stage, source, source_id,"
+            " status, finished_at, archived_at, body)"
+            " SELECT g, 'acme', 'p', 's', 'h', g::text, 'done', '2026-02-01', now(), '{}'"
+            " FROM generate_series(500001, 1000000) g"
+        )
+        conn.execute("SET session_replication_role = origin")
+        conn.execute("SELECT setval('agent_messages_id_seq', 1000001)")
+        conn.execute("ANALYZE")
+    db = Database(fresh_db, max_size=2)
+    await db.open()
+    try:
+        bus = Bus(PgRunnerStore(db))
+        await bus.enqueue_many([req(bus, f"p{i}", pipeline="p", stage="s") for i in range(20)])
+        params = {
+            "worker": "w",
+            "lane": "interactive",
+            "limit": 10,
+            "lease": LEASE,
+            "tenant_limit": 100,
+            "tenant": None,
+            "max_runtime": timedelta(minutes=10),
+            "now": None,
+        }
+        async with db.system_pool.connection() as aconn:
+            async with aconn.transaction(force_rollback=True):
+                cur = await aconn.execute(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + q("message_claim_lane"), params
+                )
+                row = await cur.fetchone()
+        assert row is not None
+        plan = row["QUERY PLAN"][0]
+    finally:
+        await db.close()
+
+    def nodes(node: dict[str, object]) -> list[dict[str, object]]:
+        found = [node]
+        for child in node.get("Plans", []):  # type: ignore[attr-defined]
+            found.extend(nodes(child))
+        return found
+
+    all_nodes = nodes(plan["Plan"])
+    seq = [
+        n
+        for n in all_nodes
+        if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "agent_messages"
+    ]
+    assert seq == [], "the claim scanned the hot table sequentially"
+    hot_reads = sum(
+        int(n.get("Actual Rows", 0)) * int(n.get("Actual Loops", 1))  # type: ignore[call-overload]
+        for n in all_nodes
+        if n.get("Relation Name") == "agent_messages"
+    )
+    assert hot_reads <= 100, hot_reads
+    assert (
+        int(plan["Plan"]["Shared Hit Blocks"]) + int(plan["Plan"].get("Shared Read Blocks", 0))
+        < 2000
+    )
+
+
+def test_schedule_slots_are_stable() -> None:
+    every = Schedule("tick", "acme", "chain", "a", "tick", every=timedelta(minutes=5))
+    at = datetime(2026, 11, 1, 12, 7, 31, tzinfo=UTC)
+    assert latest_fire_time(every, at) == datetime(2026, 11, 1, 12, 5, tzinfo=UTC)
+    cron = Schedule("nightly", "acme", "chain", "a", "n", cron="30 2 * * *")
+    assert latest_fire_time(cron, at) == datetime(2026, 11, 1, 2, 30, tzinfo=UTC)
+    assert (
+        every.source_id(datetime(2026, 11, 1, 12, 5, tzinfo=UTC))
+        == "tick@2026-11-01T12:05:00+00:00"
+    )
+
+
+async def test_schedule_fires_once_per_slot_even_from_two_runners(
+    rstore: PgRunnerStore, fresh_db: Endpoints
+) -> None:
+    every = Schedule("tick", "acme", "chain", "a", "tick", every=timedelta(minutes=5))
+    other = Database(fresh_db, max_size=2)
+    await other.open()
+    try:
+        a, b = Bus(rstore), Bus(PgRunnerStore(other))
+        now = datetime(2026, 11, 1, 12, 7, tzinfo=UTC)
+        results = await asyncio.gather(fire(a, every, now), fire(b, every, now))
+        assert sorted(results) == [False, True]  # type: ignore[type-var]
+        assert await fire(a, every, now + timedelta(minutes=1)) is False  # same slot (restart)
+        assert await fire(a, every, now + timedelta(minutes=4)) is True  # next slot
+    finally:
+        await other.close()

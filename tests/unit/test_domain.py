@@ -1,0 +1,133 @@
+"""Pure domain logic: validation, idempotency keys, retry policy, named-query parsing."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.db.queries import load, parse
+from appliance.domain.envelope import (
+    LEGAL_TRANSITIONS,
+    TERMINAL,
+    EnqueueRequest,
+    Lane,
+    MessageStatus,
+    idempotency_key,
+    parse_lane,
+)
+from appliance.domain.errors import ConfigurationError, InvalidInput
+from appliance.domain.retry import RetryPolicy
+
+
+def build(**kw: object) -> EnqueueRequest:
+    fields: dict[str, object] = {
+        "tenant": "acme",
+        "pipeline": "demo",
+        "stage": "intake",
+        "source": "mail",
+        "source_id": "1",
+        "directive": "x",
+    }
+    fields.update(kw)
+    return EnqueueRequest.build(**fields)  # type: ignore[arg-type]
+
+
+def test_key_is_deterministic_and_derived_from_source_id_stage() -> None:
+    a = build()
+    assert a.idempotency_key == build(directive="other", lane="batch").idempotency_key
+    assert a.idempotency_key != build(stage="review").idempotency_key
+    assert a.idempotency_key == idempotency_key("mail", "1", "intake")
+    assert build(key="mine").idempotency_key == "mine"
+
+
+_tricky = st.text(alphabet="ab1:|", max_size=6)
+
+
+@given(st.tuples(_tricky, _tricky, _tricky), st.tuples(_tricky, _tricky, _tricky))
+def test_distinct_triples_have_distinct_keys(one: tuple[str, ...], two: tuple[str, ...]) -> None:
+    # Separator and digit characters inside the parts must not let two triples share a key.
+    assert (idempotency_key(*one) == idempotency_key(*two)) == (one == two)
+
+
+def test_default_lane_is_interactive_and_unknown_lane_is_named() -> None:
+    assert build().lane is Lane.INTERACTIVE
+    with pytest.raises(InvalidInput, match=r"unknown lane 'fast'.*interactive, system, batch"):
+        parse_lane("fast")
+
+
+@pytest.mark.parametrize(
+    ("kw", "field", "needle"),
+    [
+        ({"directive": ""}, "directive", "must not be empty"),
+        ({"directive": "x" * 70_000}, "directive", "over the limit of 65536"),
+        ({"context": {"x": "y" * 2048}, "context_max_bytes": 1024}, "context", "limit of 1024"),
+        ({"context": float("nan")}, "context", "not JSON-serialisable"),
+        ({"context": "\x00"}, "context", "NUL"),
+        ({"source_id": ""}, "source_id", "1-512"),
+        ({"pipeline": "Has Spaces"}, "pipeline", "not a valid name"),
+        ({"max_attempts": 0}, "max_attempts", "outside 1..100"),
+        ({"deadline": datetime(2030, 1, 1)}, "deadline", "time zone"),
+        (
+            {
+                "deadline": datetime(2030, 1, 1, tzinfo=UTC),
+                "not_before": datetime(2030, 2, 1, tzinfo=UTC),
+            },
+            "deadline",
+            "later than not_before",
+        ),
+    ],
+)
+def test_bad_input_names_field_and_limit(kw: dict[str, object], field: str, needle: str) -> None:
+    with pytest.raises(InvalidInput) as info:
+        build(**kw)
+    assert info.value.field == field
+    assert needle in str(info.value)
+
+
+def test_deadline_in_the_past_is_refused_relative_to_now() -> None:
+    now = datetime(2026, 11, 1, tzinfo=UTC)
+    with pytest.raises(InvalidInput, match="not in the future"):
+        build(deadline=now - timedelta(seconds=1), now=now)
+    assert build(deadline=now + timedelta(seconds=1), now=now).deadline is not None
+
+
+def test_terminal_states_have_no_way_out() -> None:
+    assert all(src not in TERMINAL for src, _ in LEGAL_TRANSITIONS)
+    assert all((s, s) not in LEGAL_TRANSITIONS for s in MessageStatus)
+
+
+@given(st.integers(min_value=1, max_value=60), st.integers(min_value=0, max_value=2**32))
+def test_retry_delay_within_half_jitter_band_and_capped(attempts: int, seed: int) -> None:
+    policy = RetryPolicy(base=timedelta(seconds=2), cap=timedelta(minutes=10))
+    delay = policy.delay(attempts, random.Random(seed))
+    ceiling = min(timedelta(seconds=2) * 2 ** min(attempts - 1, 32), timedelta(minutes=10))
+    assert ceiling / 2 <= delay <= ceiling
+
+
+def test_retry_policy_validates() -> None:
+    with pytest.raises(InvalidInput, match=r"retry\.cap"):
+        RetryPolicy(base=timedelta(seconds=10), cap=timedelta(seconds=1))
+
+
+def test_named_query_parser() -> None:
+    text = (
+        "-- header comment\n\n-- name: a_b :one\n-- Does a thing.\nSELECT 1;\n\n"
+        "-- name: c :many\n-- Lists.\nSELECT 2\n-- inner comment\nFROM x;\n"
+    )
+    queries = parse(text, "t.sql")
+    assert queries["a_b"].sql == "SELECT 1" and queries["a_b"].kind == "one"
+    assert queries["c"].doc == "Lists." and "inner comment" in queries["c"].sql
+    with pytest.raises(ConfigurationError, match="description"):
+        parse("-- name: x :one\nSELECT 1;", "t.sql")
+    with pytest.raises(ConfigurationError, match="defined twice"):
+        parse("-- name: x :one\n-- d\nSELECT 1;\n-- name: x :one\n-- d\nSELECT 2;", "t.sql")
+
+
+def test_every_shipped_query_has_a_description_and_no_string_formatting() -> None:
+    for query in load().values():
+        assert query.doc
+        assert "{" not in query.sql.replace("'{", "")  # no str.format placeholders
