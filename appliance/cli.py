@@ -396,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The scheduler logs every job run at INFO; its failures still show at WARNING.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     try:
         settings = Settings()
         if args.command == "db":

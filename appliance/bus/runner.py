@@ -139,9 +139,9 @@ class Runner:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then drain gracefully."""
-        await self.store.register_runner(self._info())
         if self.doorbell is not None:
             await self.doorbell.start()
+        await self.store.register_runner(self._info())
         side = [
             asyncio.create_task(self._ack_loop(), name="acks"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeats"),

@@ -48,6 +48,11 @@ class PgDoorbell:
         return self._connected
 
     async def start(self) -> None:
+        """Connect now if the server answers (else keep trying in the background)."""
+        try:
+            await self._connect()
+        except Exception as exc:
+            log.warning("doorbell cannot connect yet (%s); retrying in the background", exc)
         self._task = asyncio.create_task(self._run(), name="doorbell")
 
     async def wait(self, timeout: float) -> bool:
