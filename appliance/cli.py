@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--stage", required=True)
     submit.add_argument("--source", required=True)
     submit.add_argument("--source-id", required=True)
-    submit.add_argument("--lane", default=Lane.INTERACTIVE.value)
+    submit.add_argument("--lane", help="default: the stage's declared lane, else interactive")
     submit.add_argument("--directive", required=True)
     submit.add_argument("--context", help="JSON text, or @file to read it from a file")
     submit.add_argument("--priority", type=int, default=0)

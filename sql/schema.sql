@@ -266,22 +266,28 @@ CREATE FUNCTION appliance.current_tenant() RETURNS text
 ALTER FUNCTION appliance.current_tenant() OWNER TO appliance_owner;
 
 --
--- Name: enqueue_messages(timestamp with time zone, interval, integer[], text[], text[], text[], text[], text[], text[], text[], jsonb[], text[], text[], appliance.lane[], smallint[], integer[], timestamp with time zone[], timestamp with time zone[], integer[]); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+-- Name: enqueue_messages(timestamp with time zone, interval, integer[], text[], text[], text[], text[], text[], text[], text[], jsonb[], text[], text[], appliance.lane[], smallint[], integer[], timestamp with time zone[], timestamp with time zone[], integer[], integer); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[]) RETURNS TABLE(ord integer, id bigint, new boolean)
+CREATE FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[], p_default_max_attempts integer DEFAULT 5) RETURNS TABLE(ord integer, id bigint, new boolean)
     LANGUAGE plpgsql
     SET search_path TO 'appliance', 'pg_catalog'
     AS $$
 BEGIN
 RETURN QUERY
 WITH req AS (
-    SELECT r.*, coalesce(p_now, now()) AS at
+    -- Unset lane and max attempts come from the declared stage, else the defaults.
+    SELECT r.ord, r.tenant, r.pipeline, r.stage, r.source, r.source_id, r.key, r.directive,
+           r.context, r.from_agent, r.to_agent,
+           coalesce(r.lane, s.lane, 'interactive') AS lane, r.priority,
+           coalesce(r.max_attempts, s.max_attempts, p_default_max_attempts) AS max_attempts,
+           r.not_before, r.deadline, r.hops, coalesce(p_now, now()) AS at
     FROM unnest(p_ord, p_tenant, p_pipeline, p_stage, p_source, p_source_id, p_key, p_directive,
                 p_context, p_from_agent, p_to_agent, p_lane, p_priority, p_max_attempts,
                 p_not_before, p_deadline, p_hops)
         AS r(ord, tenant, pipeline, stage, source, source_id, key, directive, context,
              from_agent, to_agent, lane, priority, max_attempts, not_before, deadline, hops)
+    LEFT JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.stage
 ),
 keys AS (
     INSERT INTO idempotency_keys AS ik (tenant, key, message_id, created_at, expires_at)
@@ -319,7 +325,7 @@ ORDER BY req.ord;
 END
 $$;
 
-ALTER FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[]) OWNER TO appliance_owner;
+ALTER FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[], p_default_max_attempts integer) OWNER TO appliance_owner;
 
 --
 -- Name: idempotency_key(text, text, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner

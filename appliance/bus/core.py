@@ -60,7 +60,6 @@ class Bus:
 
     def request(self, **fields: Any) -> EnqueueRequest:
         """Build and validate a request with this bus's defaults (max attempts, context limit)."""
-        fields.setdefault("max_attempts", self.config.max_attempts)
         fields.setdefault("context_max_bytes", self.config.context_max_bytes)
         return EnqueueRequest.build(**fields)
 
@@ -68,7 +67,10 @@ class Bus:
         """Enqueue one message (validated first); a duplicate key returns the existing id."""
         request = self.request(now=now, **fields)
         (result,) = await self.store.enqueue(
-            [request], retention=self.config.idempotency_retention, now=now
+            [request],
+            retention=self.config.idempotency_retention,
+            default_max_attempts=self.config.max_attempts,
+            now=now,
         )
         return result
 
@@ -77,7 +79,10 @@ class Bus:
     ) -> list[EnqueueResult]:
         """Enqueue a validated batch atomically (all rows or none)."""
         return await self.store.enqueue(
-            requests, retention=self.config.idempotency_retention, now=now
+            requests,
+            retention=self.config.idempotency_retention,
+            default_max_attempts=self.config.max_attempts,
+            now=now,
         )
 
     async def claim(

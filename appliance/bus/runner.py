@@ -151,7 +151,9 @@ class Runner:
         if self.doorbell is not None:
             side.append(asyncio.create_task(self._doorbell_loop(), name="doorbell"))
         try:
-            # After every (re)start: sweep for work first, then wait.
+            # After every (re)start: sweep for work first, then wait. A sweep is not a poll: work
+            # found now was not missed by the doorbell.
+            self._rung = True
             self._wake.set()
             while not stop.is_set():
                 await self._wait_for_reason()

@@ -91,7 +91,9 @@ class PgDoorbell:
 
     async def _healthy(self) -> bool:
         assert self._conn is not None
-        cur = await self._conn.execute("SELECT %s = ANY(pg_listening_channels())", (self.channel,))
+        cur = await self._conn.execute(
+            "SELECT %s IN (SELECT pg_listening_channels())", (self.channel,)
+        )
         row = await cur.fetchone()
         return bool(row and row[0])
 

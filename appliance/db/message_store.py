@@ -79,11 +79,15 @@ def _ack(applied: bool, status: str | None, same_lease: bool | None) -> AckOutco
 
 
 def _enqueue_params(
-    requests: Sequence[EnqueueRequest], retention: timedelta, now: datetime | None
+    requests: Sequence[EnqueueRequest],
+    retention: timedelta,
+    now: datetime | None,
+    default_max_attempts: int = 5,
 ) -> dict[str, Any]:
     return {
         "now": now,
         "retention": retention,
+        "default_max_attempts": default_max_attempts,
         "ord": list(range(len(requests))),
         "tenant": [r.tenant for r in requests],
         "pipeline": [r.pipeline for r in requests],
@@ -95,7 +99,7 @@ def _enqueue_params(
         "context": [r.context_json for r in requests],
         "from_agent": [r.from_agent for r in requests],
         "to_agent": [r.to_agent for r in requests],
-        "lane": [r.lane.value for r in requests],
+        "lane": [r.lane.value if r.lane else None for r in requests],
         "priority": [r.priority for r in requests],
         "max_attempts": [r.max_attempts for r in requests],
         "not_before": [r.not_before for r in requests],
@@ -121,6 +125,7 @@ class PgMessageStore:
         requests: Sequence[EnqueueRequest],
         *,
         retention: timedelta,
+        default_max_attempts: int = 5,
         now: datetime | None = None,
     ) -> list[EnqueueResult]:
         """Insert a batch in one transaction: all of it or none of it.
@@ -139,7 +144,7 @@ class PgMessageStore:
             if k not in first:
                 first[k] = len(unique)
                 unique.append(req)
-        params = _enqueue_params(unique, retention, now)
+        params = _enqueue_params(unique, retention, now, default_max_attempts)
         tenants = {r.tenant for r in unique}
         try:
             if len(tenants) == 1:

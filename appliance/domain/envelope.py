@@ -155,11 +155,13 @@ class EnqueueRequest:
     directive: str
     idempotency_key: str
     context_json: str
-    lane: Lane = Lane.INTERACTIVE
+    # None: the declared stage's lane, else interactive (the default for anything unclassified).
+    lane: Lane | None = None
     priority: int = 0
     from_agent: str | None = None
     to_agent: str | None = None
-    max_attempts: int = 5
+    # None: the declared stage's max attempts, else the bus default.
+    max_attempts: int | None = None
     not_before: datetime | None = None
     deadline: datetime | None = None
     hops: int = 0
@@ -175,11 +177,11 @@ class EnqueueRequest:
         source_id: str,
         directive: str,
         context: JSONValue = None,
-        lane: str | Lane = Lane.INTERACTIVE,
+        lane: str | Lane | None = None,
         priority: int = 0,
         from_agent: str | None = None,
         to_agent: str | None = None,
-        max_attempts: int = 5,
+        max_attempts: int | None = None,
         not_before: datetime | None = None,
         deadline: datetime | None = None,
         key: str | None = None,
@@ -207,7 +209,7 @@ class EnqueueRequest:
             raise InvalidInput("priority", f"{priority} is outside -1000..1000")
         if hops < 0:
             raise InvalidInput("hops", "cannot be negative")
-        if not 1 <= max_attempts <= 100:
+        if max_attempts is not None and not 1 <= max_attempts <= 100:
             raise InvalidInput("max_attempts", f"{max_attempts} is outside 1..100")
         for name, agent in (("from_agent", from_agent), ("to_agent", to_agent)):
             if agent is not None and not (0 < len(agent) <= 200):
@@ -229,7 +231,7 @@ class EnqueueRequest:
             directive=directive,
             idempotency_key=key if key is not None else idempotency_key(source, source_id, stage),
             context_json=encode_context(context, context_max_bytes),
-            lane=parse_lane(lane),
+            lane=parse_lane(lane) if lane is not None else None,
             priority=priority,
             from_agent=from_agent,
             to_agent=to_agent,

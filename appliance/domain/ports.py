@@ -112,7 +112,12 @@ class MessageStore(Protocol):
     """The durable envelope: every state change is one fenced statement or transaction."""
 
     async def enqueue(
-        self, requests: Sequence[EnqueueRequest], *, retention: timedelta, now: datetime | None
+        self,
+        requests: Sequence[EnqueueRequest],
+        *,
+        retention: timedelta,
+        default_max_attempts: int,
+        now: datetime | None,
     ) -> list[EnqueueResult]: ...
 
     async def claim(

@@ -10,7 +10,8 @@ FROM enqueue_messages(
     %(pipeline)s::text[], %(stage)s::text[], %(source)s::text[], %(source_id)s::text[],
     %(key)s::text[], %(directive)s::text[], %(context)s::jsonb[], %(from_agent)s::text[],
     %(to_agent)s::text[], %(lane)s::lane[], %(priority)s::smallint[], %(max_attempts)s::integer[],
-    %(not_before)s::timestamptz[], %(deadline)s::timestamptz[], %(hops)s::integer[]
+    %(not_before)s::timestamptz[], %(deadline)s::timestamptz[], %(hops)s::integer[],
+    %(default_max_attempts)s::integer
 ) AS e;
 
 -- name: message_claim :many

@@ -96,6 +96,30 @@ def test_sql_key_equals_python_key_for_any_text(pg_server, a: str, b: str, c: st
     assert row is not None and row[0] == idempotency_key(a, b, c)
 
 
+async def test_unset_lane_and_attempts_come_from_the_declared_stage(
+    rstore: PgRunnerStore,
+) -> None:
+    bus = Bus(rstore)
+    await bus.enqueue_many(
+        [
+            req(bus, "1", stage="b"),
+            req(bus, "2", stage="b", lane="system", max_attempts=2),
+            req(bus, "3", pipeline="undeclared", stage="x"),
+        ],
+        now=T0,
+    )
+    got = {
+        m.source_id: (m.lane, m.max_attempts)
+        for lane in Lane
+        for m in await claim(rstore, lane, limit=10)
+    }
+    assert got == {
+        "1": (Lane.BATCH, 5),
+        "2": (Lane.SYSTEM, 2),
+        "3": (Lane.INTERACTIVE, 5),
+    }
+
+
 async def test_completion_hands_off_to_the_next_stage_exactly_once(rstore: PgRunnerStore) -> None:
     bus = Bus(rstore)
     first = await bus.enqueue_many([req(bus, "s1")], now=T0)

@@ -53,8 +53,9 @@ def test_distinct_triples_have_distinct_keys(one: tuple[str, ...], two: tuple[st
     assert (idempotency_key(*one) == idempotency_key(*two)) == (one == two)
 
 
-def test_default_lane_is_interactive_and_unknown_lane_is_named() -> None:
-    assert build().lane is Lane.INTERACTIVE
+def test_lane_defaults_to_the_stage_and_unknown_lane_is_named() -> None:
+    assert build().lane is None  # the declared stage's lane, else interactive (in SQL)
+    assert build(lane="batch").lane is Lane.BATCH
     with pytest.raises(InvalidInput, match=r"unknown lane 'fast'.*interactive, system, batch"):
         parse_lane("fast")
 

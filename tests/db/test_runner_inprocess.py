@@ -1,0 +1,141 @@
+"""A Runner in the test's own event loop against real PostgreSQL: cancellation reaching a
+handler, bad handlers failing their attempt, and the runner's health in the status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from appliance.bus.core import Bus
+from appliance.bus.runner import Runner, RunnerConfig
+from appliance.db.database import Database, Endpoints
+from appliance.db.listener import PgDoorbell
+from appliance.db.runner_store import PgRunnerStore
+from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.envelope import MessageStatus
+from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
+
+seen: dict[str, Any] = {}
+
+
+async def patient(ctx: StageContext) -> StageResult:
+    started = time.monotonic()
+    await ctx.wait_cancelled()
+    seen["waited"] = time.monotonic() - started
+    seen["reason"] = ctx.cancel_reason
+    return ctx.finish({"saw": "cancel"})
+
+
+async def wrong(ctx: StageContext) -> StageResult:
+    return "not a result"  # type: ignore[return-value]
+
+
+async def quick(ctx: StageContext) -> StageResult:
+    return ctx.finish({"ok": True})
+
+
+PIPES = [
+    Pipeline("patient", (Stage("run", patient),)),
+    Pipeline("wrong", (Stage("run", wrong, max_attempts=1),)),
+    Pipeline("quick", (Stage("run", quick),)),
+]
+
+
+@pytest.fixture
+async def running(fresh_db: Endpoints) -> AsyncIterator[tuple[Bus, PgRunnerStore, Runner]]:
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    await PgTenantStore(db).add("acme")
+    store = PgRunnerStore(db)
+    await store.sync_pipelines(PIPES)
+    config = RunnerConfig(
+        worker_id="inproc",
+        concurrency=4,
+        lease=timedelta(seconds=1.5),
+        poll_interval=timedelta(seconds=5),
+        cancel_grace=timedelta(seconds=1),
+        report_every=timedelta(seconds=0.5),
+    )
+    doorbell = PgDoorbell(fresh_db.system)
+    runner = Runner(store, Registry(PIPES), config, doorbell=doorbell)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield Bus(store), store, runner
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await db.close()
+
+
+async def wait_status(bus: Bus, mid: int, status: MessageStatus, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = await bus.get("acme", mid)
+        if got is not None and got.status is status:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"message {mid} never became {status}")
+
+
+def request(bus: Bus, pipeline: str, sid: str = "1") -> dict[str, Any]:
+    return {
+        "tenant": "acme",
+        "pipeline": pipeline,
+        "stage": "run",
+        "source": "t",
+        "source_id": sid,
+        "directive": "go",
+    }
+
+
+async def test_cancellation_reaches_the_running_handler(running) -> None:
+    bus, _, runner = running
+    seen.clear()
+    r = await bus.enqueue(**request(bus, "patient"))
+    await wait_status(bus, r.id, MessageStatus.RUNNING)
+    assert await bus.cancel("acme", r.id, reason="operator")
+    deadline = time.monotonic() + 5
+    while "waited" not in seen and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert seen.get("reason") == "cancelled"
+    got = await bus.get("acme", r.id)
+    assert got is not None and got.status is MessageStatus.CANCELLED
+    await asyncio.sleep(0.5)
+    assert runner.stats.late_acks == 1  # its result was refused: the message stays cancelled
+
+
+async def test_handler_returning_the_wrong_type_fails_clearly(running) -> None:
+    bus, _, _ = running
+    r = await bus.enqueue(**request(bus, "wrong"))
+    await wait_status(bus, r.id, MessageStatus.DEAD)
+    got = await bus.get("acme", r.id)
+    assert got is not None and "returned str, not a StageResult" in (got.error or "")
+
+
+async def test_unknown_stage_fails_with_its_name(running) -> None:
+    bus, _, _ = running
+    r = await bus.enqueue(**{**request(bus, "quick"), "stage": "nowhere"})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        got = await bus.get("acme", r.id)
+        if got is not None and got.error:
+            break
+        await asyncio.sleep(0.05)
+    assert got is not None and "no handler registered for quick.nowhere" in (got.error or "")
+
+
+async def test_status_shows_the_runner_and_its_listener(running) -> None:
+    bus, store, _ = running
+    r = await bus.enqueue(**request(bus, "quick"))
+    await wait_status(bus, r.id, MessageStatus.DONE)
+    await asyncio.sleep(0.7)
+    st = await store.status()
+    (me,) = [x for x in st.runners if x.id == "inproc"]
+    assert me.alive and me.listener_connected and me.completed >= 1
+    assert st.stages["quick.run"] == {"done": 1}
