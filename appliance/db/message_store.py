@@ -31,6 +31,10 @@ from appliance.domain.ports import (
 )
 
 SYSTEM_ACTOR = "bus"
+# A claim through the API applies no tenant concurrency limit unless asked (the runner does).
+UNLIMITED = 1_000_000
+# A stage not declared in any pipeline still gets a hard runtime limit.
+DEFAULT_MAX_RUNTIME = timedelta(minutes=10)
 
 _MESSAGE_FIELDS = {
     "id",
@@ -187,28 +191,53 @@ class PgMessageStore:
         lease: timedelta,
         tenant: str | None = None,
         now: datetime | None = None,
+        tenant_limit: int = UNLIMITED,
     ) -> list[Message]:
-        """Lease up to `limit` messages, strict by lane in the order given."""
-        if limit <= 0 or not lanes:
+        """Lease up to `limit` messages, strict by lane in the order given (fair within each)."""
+        claimed: list[Message] = []
+        for lane in lanes:
+            if len(claimed) >= limit:
+                break
+            claimed += await self.claim_lane(
+                worker=worker,
+                lane=lane,
+                limit=limit - len(claimed),
+                lease=lease,
+                tenant_limit=tenant_limit,
+                tenant=tenant,
+                now=now,
+            )
+        return claimed
+
+    async def claim_lane(
+        self,
+        *,
+        worker: str,
+        lane: Lane,
+        limit: int,
+        lease: timedelta,
+        tenant_limit: int,
+        now: datetime | None = None,
+        tenant: str | None = None,
+        max_runtime: timedelta = DEFAULT_MAX_RUNTIME,
+    ) -> list[Message]:
+        """Lease up to `limit` messages of one lane, fairly across tenants."""
+        if limit <= 0:
             return []
-        order = {lane: i for i, lane in enumerate(lanes)}
         params = {
             "worker": worker,
-            "lanes": [lane.value for lane in lanes],
+            "lane": lane.value,
             "limit": limit,
             "lease": lease,
+            "tenant_limit": tenant_limit,
             "tenant": tenant,
+            "max_runtime": max_runtime,
             "now": now,
         }
-        if tenant is None:
-            async with self.db.system_tx(durable=False) as conn:
-                rows = await (await conn.execute(q("message_claim"), params)).fetchall()
-        else:
-            async with self.db.tenant_tx(tenant) as conn:
-                await conn.execute("SET LOCAL synchronous_commit = off")
-                rows = await (await conn.execute(q("message_claim"), params)).fetchall()
+        async with self.db.system_tx(durable=False) as conn:
+            rows = await (await conn.execute(q("message_claim_lane"), params)).fetchall()
         messages = [row_to_message(r) for r in rows]
-        messages.sort(key=lambda m: (order[m.lane], -m.priority, m.not_before, m.id))
+        messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
         return messages
 
     async def heartbeat(

@@ -11,49 +11,15 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore, row_to_message
+from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore
 from appliance.db.queries import q
-from appliance.domain.envelope import Lane, LeaseRef, Message, MessageStatus
+from appliance.domain.envelope import LeaseRef, MessageStatus
 from appliance.domain.pipeline import Pipeline
 from appliance.domain.ports import AckOutcome, BusStatus, HeartbeatResult, RunnerInfo
-
-# A stage not declared in any pipeline still gets a hard runtime limit.
-DEFAULT_MAX_RUNTIME = timedelta(minutes=10)
 
 
 class PgRunnerStore(PgMessageStore):
     """Everything the runner and the maintenance services need, on top of the envelope."""
-
-    async def claim_lane(
-        self,
-        *,
-        worker: str,
-        lane: Lane,
-        limit: int,
-        lease: timedelta,
-        tenant_limit: int,
-        now: datetime | None = None,
-        tenant: str | None = None,
-        max_runtime: timedelta = DEFAULT_MAX_RUNTIME,
-    ) -> list[Message]:
-        """Lease up to `limit` messages of one lane, fairly across tenants."""
-        if limit <= 0:
-            return []
-        params = {
-            "worker": worker,
-            "lane": lane.value,
-            "limit": limit,
-            "lease": lease,
-            "tenant_limit": tenant_limit,
-            "tenant": tenant,
-            "max_runtime": max_runtime,
-            "now": now,
-        }
-        async with self.db.system_tx(durable=False) as conn:
-            rows = await (await conn.execute(q("message_claim_lane"), params)).fetchall()
-        messages = [row_to_message(r) for r in rows]
-        messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
-        return messages
 
     async def heartbeat_many(
         self, leases: Sequence[LeaseRef], *, extend: timedelta, now: datetime | None = None
@@ -76,7 +42,10 @@ class PgRunnerStore(PgMessageStore):
             elif row["same_lease"] and row["status"] == MessageStatus.CANCELLED:
                 by_id[row["id"]] = HeartbeatResult(AckOutcome.CANCELLED)
             elif row["same_lease"] and row["status"] == MessageStatus.RUNNING:
-                by_id[row["id"]] = HeartbeatResult(AckOutcome.OVERRUN)
+                # Still ours: either past its hard run deadline, or written by another statement
+                # at this instant (a completion racing the heartbeat); the next beat will tell.
+                outcome = AckOutcome.OVERRUN if row["overran"] else AckOutcome.APPLIED
+                by_id[row["id"]] = HeartbeatResult(outcome)
             else:
                 by_id[row["id"]] = HeartbeatResult(AckOutcome.STALE)
         return [by_id.get(lease.message_id, HeartbeatResult(AckOutcome.STALE)) for lease in leases]

@@ -14,41 +14,6 @@ FROM enqueue_messages(
     %(default_max_attempts)s::integer
 ) AS e;
 
--- name: message_claim :many
--- Lease up to `limit` pending messages in strict lane order (lanes given in claim order), skipping rows other claimers hold; each gets a fresh lease token.
-WITH picked AS MATERIALIZED (
-    SELECT c.id
-    FROM unnest(%(lanes)s::lane[]) AS l(lane)
-    CROSS JOIN LATERAL (
-        SELECT m.id
-        FROM agent_messages m
-        WHERE m.status = 'pending'
-          AND m.lane = l.lane
-          AND m.not_before <= coalesce(%(now)s::timestamptz, now())
-          AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
-          AND (%(tenant)s::text IS NULL OR m.tenant = %(tenant)s::text)
-        ORDER BY m.priority DESC, m.not_before, m.id
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
-    ) AS c
-    LIMIT %(limit)s
-)
-UPDATE agent_messages m
-SET status = 'running',
-    attempts = m.attempts + 1,
-    lease_token = nextval('agent_messages_lease_token_seq'),
-    lease_expires_at = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
-    claimed_by = %(worker)s,
-    claimed_at = coalesce(%(now)s::timestamptz, now()),
-    updated_at = coalesce(%(now)s::timestamptz, now()),
-    outcome = NULL,
-    run_deadline = NULL,
-    status_reason = 'claimed',
-    status_actor = %(worker)s
-FROM picked
-WHERE m.id = picked.id
-RETURNING m.*;
-
 -- name: message_heartbeat :one
 -- Extend a lease if (and only if) it is still the current one; always report the row's status and token so the caller learns of cancellation or loss.
 WITH beat AS (

@@ -1,10 +1,11 @@
 -- Named queries of the stage runner and its maintenance services.
 
 -- name: message_claim_lane :many
--- Lease up to `limit` pending messages of one lane, tenants served round-robin (least recently served first, an equal share each) within their concurrency limits; a tenant's counter row is the serialisation point.
+-- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit, checked against its counter row locked (waiting, never skipping) in tenant order.
 WITH eligible AS MATERIALIZED (
-    SELECT r.tenant,
-           coalesce(t.max_running, %(tenant_limit)s) - r.running AS room,
+    -- A snapshot read: which tenants have claimable work and room. Nothing is locked here, so
+    -- concurrent claimers of one tenant all proceed; the limit is enforced below.
+    SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - r.running AS room,
            r.last_claimed_at
     FROM tenant_runtime r
     JOIN tenants t ON t.name = r.tenant
@@ -17,7 +18,6 @@ WITH eligible AS MATERIALIZED (
       )
     ORDER BY r.last_claimed_at NULLS FIRST, r.tenant
     LIMIT %(limit)s
-    FOR UPDATE OF r SKIP LOCKED
 ),
 shares AS (
     SELECT e.tenant, e.last_claimed_at,
@@ -25,19 +25,41 @@ shares AS (
     FROM eligible e
 ),
 picked AS MATERIALIZED (
-    SELECT c.id, ps.max_runtime
+    SELECT c.id, c.tenant, c.rank, s.last_claimed_at, ps.max_runtime
     FROM shares s
     CROSS JOIN LATERAL (
-        SELECT m.id, m.pipeline, m.stage
-        FROM agent_messages m
-        WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = s.tenant
-          AND m.not_before <= coalesce(%(now)s::timestamptz, now())
-          AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
-        ORDER BY m.priority DESC, m.not_before, m.id
-        LIMIT s.share
-        FOR UPDATE OF m SKIP LOCKED
+        SELECT m.id, m.tenant, m.pipeline, m.stage,
+               row_number() OVER (ORDER BY m.priority DESC, m.not_before, m.id) AS rank
+        FROM (
+            SELECT m.id, m.tenant, m.pipeline, m.stage, m.priority, m.not_before
+            FROM agent_messages m
+            WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = s.tenant
+              AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+              AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
+            ORDER BY m.priority DESC, m.not_before, m.id
+            LIMIT s.share
+            FOR UPDATE OF m SKIP LOCKED
+        ) AS m
     ) AS c
     LEFT JOIN pipeline_stages ps ON ps.pipeline = c.pipeline AND ps.stage = c.stage
+),
+counters AS MATERIALIZED (
+    -- The serialisation point: lock the counters of the tenants picked, in tenant order (no
+    -- deadlocks), and read their running counts as of now (a lock waits for the latest).
+    SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - r.running AS room
+    FROM tenant_runtime r
+    JOIN tenants t ON t.name = r.tenant
+    WHERE r.tenant IN (SELECT tenant FROM picked)
+    ORDER BY r.tenant
+    FOR UPDATE OF r
+),
+allowed AS (
+    -- Round-robin: every tenant's first message, then every tenant's second, ...
+    SELECT p.id, p.max_runtime
+    FROM picked p
+    JOIN counters c ON c.tenant = p.tenant
+    WHERE p.rank <= c.room
+    ORDER BY p.rank, p.last_claimed_at NULLS FIRST, p.tenant
     LIMIT %(limit)s
 )
 UPDATE agent_messages m
@@ -45,39 +67,48 @@ SET status = 'running',
     attempts = m.attempts + 1,
     lease_token = nextval('agent_messages_lease_token_seq'),
     run_deadline = coalesce(%(now)s::timestamptz, now())
-        + coalesce(picked.max_runtime, %(max_runtime)s::interval),
+        + coalesce(allowed.max_runtime, %(max_runtime)s::interval),
     lease_expires_at = least(
         coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
         coalesce(%(now)s::timestamptz, now())
-            + coalesce(picked.max_runtime, %(max_runtime)s::interval)),
+            + coalesce(allowed.max_runtime, %(max_runtime)s::interval)),
     claimed_by = %(worker)s,
     claimed_at = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     outcome = NULL,
     status_reason = 'claimed',
     status_actor = %(worker)s
-FROM picked
-WHERE m.id = picked.id
+FROM allowed
+WHERE m.id = allowed.id
 RETURNING m.*;
 
 -- name: message_heartbeat_many :many
--- Extend many leases at once, never past each attempt's hard run deadline; report every lease's fate (extended, cancelled, lost, overrun).
+-- Extend many leases at once, never past each attempt's hard run deadline; rows another statement is writing right now (a completion) are skipped, not waited for; report every lease's fate.
 WITH input AS (
     SELECT * FROM unnest(%(id)s::bigint[], %(token)s::bigint[]) AS i(id, token)
+),
+mine AS MATERIALIZED (
+    SELECT m.id
+    FROM agent_messages m
+    JOIN input i ON i.id = m.id AND i.token = m.lease_token
+    WHERE m.status = 'running'
+    ORDER BY m.id
+    FOR UPDATE OF m SKIP LOCKED
 ),
 beat AS (
     UPDATE agent_messages m
     SET lease_expires_at = least(
             coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval,
             coalesce(m.run_deadline, 'infinity'::timestamptz))
-    FROM input i
-    WHERE m.id = i.id AND m.lease_token = i.token AND m.status = 'running'
+    FROM mine
+    WHERE m.id = mine.id
       AND coalesce(m.run_deadline, 'infinity'::timestamptz)
           > coalesce(%(now)s::timestamptz, now())
     RETURNING m.id, m.lease_expires_at
 )
 SELECT i.id, beat.lease_expires_at, m.status, m.lease_token = i.token AS same_lease,
-       m.run_deadline
+       m.run_deadline <= coalesce(%(now)s::timestamptz, now()) AS overran,
+       i.id NOT IN (SELECT id FROM mine) AS busy
 FROM input i
 LEFT JOIN beat ON beat.id = i.id
 LEFT JOIN agent_messages m ON m.id = i.id;

@@ -59,6 +59,7 @@ TERMINAL_FOR_CANCEL = {MessageStatus.DONE, MessageStatus.CANCELLED, MessageStatu
 REPEAT = st.none() | st.integers(0, 2)  # see EnvelopeMachine.enqueue
 STAGES = st.sampled_from(["intake", "review"])
 MAX_ATTEMPTS = st.integers(1, 3)
+WRITES = st.sampled_from(["heartbeat", "complete", "fail"])
 
 S = MessageStatus
 T = TypeVar("T")
@@ -126,7 +127,6 @@ class EnvelopeMachine(RuleBasedStateMachine):
 
     endpoints: ClassVar[Endpoints]  # set by a subclass per test: the database to use
 
-    leases = Bundle("leases")
     messages = Bundle("messages")
 
     def __init__(self) -> None:
@@ -152,6 +152,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
         self.model: dict[int, Model] = {}
         self.keys: dict[tuple[str, str], int] = {}
         self.source_ids: list[str] = []
+        self.leases: list[Message] = []  # every lease ever handed out
         self.top_token = 0
 
     def teardown(self) -> None:
@@ -170,10 +171,10 @@ class EnvelopeMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
 
-    @initialize(target=messages, repeats=st.lists(REPEAT, min_size=1, max_size=4))
-    def some_work(self, repeats: list[int | None]) -> Any:
+    @initialize(target=messages, work=st.lists(MAX_ATTEMPTS, min_size=1, max_size=4))
+    def some_work(self, work: list[int]) -> Any:
         # Swarm testing may switch `enqueue` off for a whole example; start with work anyway.
-        return multiple(*(self.enqueue(r, "intake", 3) for r in repeats))
+        return multiple(*(self.enqueue(None, "intake", n) for n in work))
 
     @rule(target=messages, repeat=REPEAT, stage=STAGES, max_attempts=MAX_ATTEMPTS)
     def enqueue(self, repeat: int | None, stage: str, max_attempts: int) -> int:
@@ -216,8 +217,8 @@ class EnvelopeMachine(RuleBasedStateMachine):
         return any(m.status is status for m in self.model.values())
 
     @precondition(lambda self: self.any_in(S.PENDING))
-    @rule(target=leases, limit=st.integers(1, 3), lease=st.sampled_from(LEASES))
-    def claim(self, limit: int, lease: timedelta) -> Any:
+    @rule(limit=st.integers(1, 3), lease=st.sampled_from(LEASES))
+    def claim(self, limit: int, lease: timedelta) -> None:
         ready = sorted(
             (m for m in self.model.values() if m.status is S.PENDING and m.not_before <= self.now),
             key=lambda m: (m.not_before, m.id),
@@ -235,16 +236,30 @@ class EnvelopeMachine(RuleBasedStateMachine):
             m.move(S.RUNNING, "claimed")
             assert g.status is S.RUNNING and g.attempts == m.attempts
             assert g.lease_expires_at == m.expires and g.claimed_by == "w"
-        return multiple(*got)
+        self.leases.extend(got)
 
+    @precondition(lambda self: bool(self.leases))
     @rule(
-        message=leases,
-        act=st.sampled_from(["heartbeat", "complete", "fail"]),
+        data=st.data(),
+        act=WRITES,
         extend=st.sampled_from(LEASES),
     )
-    def worker_writes(self, message: Message, act: str, extend: timedelta) -> None:
-        """A worker writes under a lease, current or long lost: one rule for the three writes,
-        so that swarm testing does not switch fencing off piecemeal."""
+    def worker_writes(self, data: st.DataObject, act: str, extend: timedelta) -> None:
+        """A worker writes under a lease: any lease ever handed out, current or long lost.
+
+        One rule for the three writes, so that swarm testing does not switch fencing off
+        piecemeal; and a lease lost to a newer claim that is running now (the case fencing
+        exists for) is picked on purpose, as it is rare among all the leases ever issued.
+        """
+        lost = [
+            g
+            for g in self.leases
+            if self.model[g.id].status is S.RUNNING and self.model[g.id].token != g.lease_token
+        ]
+        pool = data.draw(st.sampled_from([self.leases, lost] if lost else [self.leases]))
+        self.write(act, data.draw(st.sampled_from(pool)), extend)
+
+    def write(self, act: str, message: Message, extend: timedelta) -> None:
         if act == "heartbeat":
             self.heartbeat(message, extend)
         elif act == "complete":
@@ -348,6 +363,23 @@ class EnvelopeMachine(RuleBasedStateMachine):
     @rule(seconds=st.integers(0, 90))
     def advance_clock(self, seconds: int) -> None:
         self.now += timedelta(seconds=seconds)
+
+    @precondition(lambda self: self.any_in(S.RUNNING))
+    @rule(data=st.data(), lease=st.sampled_from(LEASES), act=WRITES)
+    def worker_comes_back(self, data: st.DataObject, lease: timedelta, act: str) -> None:
+        """The race fencing exists for, as one step: a worker goes silent, the clock passes its
+        lease, the reclaimer runs, a claimer takes work again, and then the first worker wakes
+        up and writes. Made of the rules above; a rule of its own so that the race is common,
+        not a rare alignment of five steps (swarm testing switches a random subset of rules
+        off in each example)."""
+        running = sorted(m.id for m in self.model.values() if m.status is S.RUNNING)
+        m = self.model[data.draw(st.sampled_from(running))]
+        (silent,) = (g for g in self.leases if g.lease_token == m.token)
+        assert m.expires is not None
+        self.advance_clock(max(0, int((m.expires - self.now).total_seconds()) + 1))
+        self.reclaim()
+        self.claim(3, lease)
+        self.write(act, silent, lease)
 
     # -- invariants ------------------------------------------------------------------------
 

@@ -70,11 +70,13 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
         assert await _count(conn, "idempotency_keys") == 5
         assert await _count(conn, "message_transitions") == 10  # enqueued + claimed
         cur = await conn.execute(
-            "UPDATE agent_messages SET priority = 7 WHERE id = ANY(%s)", (theirs,)
+            "UPDATE agent_messages SET priority = 7 WHERE id = ANY(%s) RETURNING id", (theirs,)
         )
-        assert cur.rowcount == 0
-        cur = await conn.execute("UPDATE idempotency_keys SET hits = 99 WHERE tenant = 'globex'")
-        assert cur.rowcount == 0
+        assert await cur.fetchall() == []
+        cur = await conn.execute(
+            "UPDATE idempotency_keys SET hits = 99 WHERE tenant = 'globex' RETURNING key"
+        )
+        assert await cur.fetchall() == []
     # Writing a row for another tenant is refused, not silently dropped.
     request = bus.request(
         tenant="globex", pipeline="demo", stage="x", source="t", source_id="evil", directive="d"
