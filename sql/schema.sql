@@ -273,7 +273,15 @@ CREATE FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_ret
     LANGUAGE plpgsql
     SET search_path TO 'appliance', 'pg_catalog'
     AS $$
+DECLARE
+    unknown text;
 BEGIN
+-- One set-based check instead of a foreign-key probe per key row.
+SELECT t INTO unknown FROM unnest(p_tenant) AS t
+WHERE NOT EXISTS (SELECT FROM tenants WHERE name = t) LIMIT 1;
+IF FOUND THEN
+    RAISE EXCEPTION 'unknown tenant %', unknown USING ERRCODE = 'foreign_key_violation';
+END IF;
 RETURN QUERY
 WITH req AS (
     -- Unset lane and max attempts come from the declared stage, else the defaults.
@@ -824,13 +832,6 @@ CREATE TRIGGER tenants_insert_trg AFTER INSERT ON appliance.tenants REFERENCING 
 
 ALTER TABLE ONLY appliance.agent_messages
     ADD CONSTRAINT agent_messages_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
-
---
--- Name: idempotency_keys idempotency_keys_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
---
-
-ALTER TABLE ONLY appliance.idempotency_keys
-    ADD CONSTRAINT idempotency_keys_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
 
 --
 -- Name: stage_routes stage_routes_pipeline_next_stage_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner

@@ -87,8 +87,10 @@ CREATE INDEX agent_messages_lane_created_at_idx
 
 -- Idempotency outlives the hot row: one key per tenant, kept for a retention window (default
 -- 90 days) after which the key may be used again. hits counts duplicates (dedup activity).
+-- No per-row foreign key to tenants: every key is written with its message, whose foreign key
+-- (and the enqueue's own set-based check) already names an unknown tenant.
 CREATE TABLE idempotency_keys (
-    tenant text NOT NULL REFERENCES tenants (name),
+    tenant text NOT NULL,
     key text NOT NULL,
     message_id bigint NOT NULL,
     created_at timestamptz NOT NULL,

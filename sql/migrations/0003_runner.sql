@@ -84,7 +84,15 @@ CREATE FUNCTION enqueue_messages(
 ) RETURNS TABLE (ord integer, id bigint, new boolean)
     LANGUAGE plpgsql SET search_path = appliance, pg_catalog
     AS $$
+DECLARE
+    unknown text;
 BEGIN
+-- One set-based check instead of a foreign-key probe per key row.
+SELECT t INTO unknown FROM unnest(p_tenant) AS t
+WHERE NOT EXISTS (SELECT FROM tenants WHERE name = t) LIMIT 1;
+IF FOUND THEN
+    RAISE EXCEPTION 'unknown tenant %', unknown USING ERRCODE = 'foreign_key_violation';
+END IF;
 RETURN QUERY
 WITH req AS (
     -- Unset lane and max attempts come from the declared stage, else the defaults.
