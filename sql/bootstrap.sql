@@ -3,7 +3,8 @@
 -- Roles are cluster objects, not schema objects, so they live here and not in schema.sql.
 --   appliance_owner   owns every object; migrations run as it (SET ROLE). Cannot log in.
 --   appliance_app     tenant-scoped runtime role: sees only the tenant set with SET LOCAL.
---   appliance_system  the bus machinery (claim, reclaim, expire, status) across tenants.
+--   appliance_system  the bus machinery (claim, reclaim, expire, status) across tenants
+--                     (BYPASSRLS where the migrating user may grant it: see below).
 -- Neither runtime role owns anything.
 DO $$
 DECLARE
@@ -21,6 +22,14 @@ BEGIN
             END;
         END IF;
     END LOOP;
+    -- The bus machinery sees every tenant by design. Under row-level security PostgreSQL may not
+    -- use an index for quals built on functions that are not leakproof (enum equality is
+    -- not), so the claim would scan and sort every pending row; BYPASSRLS keeps the claim on
+    -- its partial index. Only a superuser can grant it; elsewhere the policy still applies.
+    IF (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+       AND NOT (SELECT rolbypassrls FROM pg_roles WHERE rolname = 'appliance_system') THEN
+        ALTER ROLE appliance_system BYPASSRLS;
+    END IF;
     -- The migrating user must be able to SET ROLE appliance_owner (a superuser always can).
     IF NOT pg_has_role(current_user, 'appliance_owner', 'MEMBER') THEN
         EXECUTE format('GRANT appliance_owner TO %I', current_user);

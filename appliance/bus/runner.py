@@ -76,6 +76,7 @@ class _Attempt:
     stop_reason: str | None = None
     hard_cancel_at: float | None = None
     acked: bool = False
+    slot_free: bool = False
 
     @property
     def lease(self) -> LeaseRef:
@@ -130,6 +131,10 @@ class Runner:
         self._ack_ready = asyncio.Event()
         self._wake = asyncio.Event()
         self._rung = False
+        # Lanes that may hold claimable work: set by the doorbell (its payload is the lane), by
+        # a poll or a local timer (all lanes), cleared by a claim that came back short. Empty
+        # lanes are not asked again until something says they may have work.
+        self._maybe: set[Lane] = set(Lane)
         self._stopping = False
         self._next_local_wake: float | None = None
         self._last_reclaim = 0.0
@@ -193,18 +198,23 @@ class Runner:
 
     async def _wait_for_reason(self) -> None:
         if not self._wake.is_set():
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(self._wake.wait(), self._poll_timeout())
+            except TimeoutError:
+                self._maybe = set(Lane)  # the fallback poll: ask every lane
         if self._next_local_wake is not None and time.monotonic() >= self._next_local_wake:
             self._next_local_wake = None
+            self._maybe = set(Lane)  # a retry's backoff ended: its lane is unknown here
         self._wake.clear()
 
     async def _doorbell_loop(self) -> None:
         assert self.doorbell is not None
         while True:
             try:
-                if await self.doorbell.wait(1.0):
+                lanes = await self.doorbell.wait(1.0)
+                if lanes:
                     self.stats.wakeups_rung += 1
+                    self._maybe |= lanes
                     self._rung = True
                     self._wake.set()
             except asyncio.CancelledError:
@@ -230,13 +240,14 @@ class Runner:
         total = 0
         for lane in CLAIM_ORDER:
             free = self.slots.free(lane)
-            if free <= 0:
+            if free <= 0 or lane not in self._maybe:
                 continue
+            asked = min(free, self.config.claim_batch)
             try:
                 messages = await self.store.claim_lane(
                     worker=self.config.worker_id,
                     lane=lane,
-                    limit=min(free, self.config.claim_batch),
+                    limit=asked,
                     lease=self.config.lease,
                     tenant_limit=self.config.tenant_limit,
                     now=None,
@@ -245,6 +256,8 @@ class Runner:
                 log.exception("claim failed; retrying on the next wake-up")
                 self._schedule_local_wake(1.0)
                 return total
+            if len(messages) < asked:
+                self._maybe.discard(lane)
             for message in messages:
                 self._start(message)
             total += len(messages)
@@ -311,6 +324,10 @@ class Runner:
             attempt.acked = True
             self._acks.append((attempt, Completion(attempt.lease, result.result, result.outcome)))
             self._ack_ready.set()
+            # The slot is free as soon as the handler is: the acknowledgement is in flight on
+            # its own connection, and the database still counts the message against its
+            # tenant's limit until it commits.
+            self._free_slot(attempt)
         except asyncio.CancelledError:
             # Cancelled by us: the message was cancelled, its lease lost, or we are stopping.
             # There is nothing to write: the store already knows, or the drain releases it.
@@ -349,10 +366,18 @@ class Runner:
             # The lease will lapse and the reclaimer will retry the message.
             log.exception("could not record the failure of message %s", attempt.message.id)
 
+    def _free_slot(self, attempt: _Attempt) -> None:
+        if not attempt.slot_free:
+            attempt.slot_free = True
+            self.slots.give(attempt.message.lane)
+            # A claim of this lane may have come back short because the tenant was at its
+            # limit; the work just finished may have made room, so ask this lane again.
+            self._maybe.add(attempt.message.lane)
+            self._wake.set()
+
     def _finish(self, attempt: _Attempt) -> None:
         if self._attempts.pop(attempt.message.id, None) is not None:
-            self.slots.give(attempt.message.lane)
-            self._wake.set()
+            self._free_slot(attempt)
 
     # -- acknowledgements ------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import random
 import psycopg
 
 from appliance.db.database import SEARCH_PATH_OPTION
+from appliance.domain.envelope import Lane
 
 log = logging.getLogger("appliance.db.listener")
 
@@ -37,6 +38,7 @@ class PgDoorbell:
         self.health_every = health_every
         self.backoff_max = backoff_max
         self._ring = asyncio.Event()
+        self._lanes: set[Lane] = set()
         self._conn: psycopg.AsyncConnection[tuple[object, ...]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = False
@@ -55,14 +57,19 @@ class PgDoorbell:
             log.warning("doorbell cannot connect yet (%s); retrying in the background", exc)
         self._task = asyncio.create_task(self._run(), name="doorbell")
 
-    async def wait(self, timeout: float) -> bool:
-        """True when rung within `timeout` seconds (the ring is consumed)."""
+    async def wait(self, timeout: float) -> frozenset[Lane]:
+        """The lanes rung within `timeout` seconds (consumed); empty when none rang."""
         try:
             await asyncio.wait_for(self._ring.wait(), timeout)
         except TimeoutError:
-            return False
+            return frozenset()
         self._ring.clear()
-        return True
+        lanes, self._lanes = frozenset(self._lanes), set()
+        return lanes
+
+    def _rang(self, lanes: set[Lane]) -> None:
+        self._lanes |= lanes
+        self._ring.set()
 
     async def close(self) -> None:
         if self._task is not None:
@@ -87,7 +94,7 @@ class PgDoorbell:
         self._conn = conn
         self.backend_pid = conn.info.backend_pid
         self._connected = True
-        self._ring.set()
+        self._rang(set(Lane))
 
     async def _healthy(self) -> bool:
         assert self._conn is not None
@@ -105,8 +112,12 @@ class PgDoorbell:
                     await self._connect()
                     backoff = 0.1
                 assert self._conn is not None
-                async for _ in self._conn.notifies(timeout=self.health_every):
-                    self._ring.set()
+                async for note in self._conn.notifies(timeout=self.health_every):
+                    # The payload is the lane; anything else rings every lane (a hint only).
+                    try:
+                        self._rang({Lane(note.payload)})
+                    except ValueError:
+                        self._rang(set(Lane))
                 if not await self._healthy():
                     raise psycopg.OperationalError("the LISTEN registration was lost")
             except asyncio.CancelledError:

@@ -1,9 +1,10 @@
 """The envelope as a state machine against real PostgreSQL: a model checked after every step.
 
 Hypothesis drives enqueue (with duplicates), claim, heartbeat, complete, fail (each under any
-lease ever handed out, current or stale), cancel, reclaim, redrive and an injected clock. A
-plain Python model predicts every answer and every row; after each step the database must
-agree with it, and the invariants of the envelope must hold:
+lease ever handed out, current or stale, and by a worker that wakes up after its work was
+reclaimed and claimed again), cancel, reclaim, redrive and an injected clock. A plain Python
+model predicts every answer and every row; after each step the database must agree with it,
+and the invariants of the envelope must hold:
 
 * running iff leased, and only the latest lease token of a message can write; a write under
   an older token answers STALE (or CANCELLED) and changes nothing in the row;
@@ -42,9 +43,9 @@ from hypothesis.stateful import (
 
 from appliance.bus.core import Bus, BusConfig
 from appliance.db.database import Database, Endpoints
-from appliance.db.message_store import PgMessageStore
+from appliance.db.message_store import DEFAULT_MAX_RUNTIME, PgMessageStore
 from appliance.db.tenant_store import PgTenantStore
-from appliance.domain.envelope import LEGAL_TRANSITIONS, Message, MessageStatus
+from appliance.domain.envelope import LEGAL_TRANSITIONS, TERMINAL, Message, MessageStatus
 from appliance.domain.ports import AckOutcome, FailOutcome
 from appliance.domain.retry import RetryPolicy
 
@@ -54,7 +55,10 @@ SOURCE = "sm"
 RETRY_BASE = timedelta(seconds=4)
 RETRY_CAP = timedelta(seconds=40)
 LEASES = (timedelta(seconds=5), timedelta(seconds=30), timedelta(seconds=60))
-TERMINAL_FOR_CANCEL = {MessageStatus.DONE, MessageStatus.CANCELLED, MessageStatus.EXPIRED}
+PIPELINE = "demo"
+# "review" is a declared stage with a short hard runtime, so leases meet their run deadline;
+# "intake" is undeclared and gets the store's default.
+MAX_RUNTIME = {"review": timedelta(seconds=45), "intake": DEFAULT_MAX_RUNTIME}
 
 REPEAT = st.none() | st.integers(0, 2)  # see EnvelopeMachine.enqueue
 STAGES = st.sampled_from(["intake", "review"])
@@ -97,10 +101,11 @@ class Model:
     max_attempts: int
     status: MessageStatus = S.PENDING
     attempts: int = 0
+    stage: str = "intake"
     token: int | None = None
     expires: datetime | None = None
+    run_deadline: datetime | None = None
     not_before: datetime = T0
-    result: Any = None
     reset_by_redrive: int = 0
     log: list[Logged] = field(default_factory=list)
 
@@ -137,6 +142,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
                 "TRUNCATE appliance.agent_messages, appliance.idempotency_keys,"
                 " appliance.message_transitions"
             )
+            conn.execute("UPDATE appliance.tenant_runtime SET running = 0, last_claimed_at = NULL")
         self.loop = asyncio.new_event_loop()
         self.db = Database(endpoints, min_size=1, max_size=2)
         try:
@@ -154,6 +160,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
         self.source_ids: list[str] = []
         self.leases: list[Message] = []  # every lease ever handed out
         self.top_token = 0
+        self.done: dict[int, Any] = {}  # completed messages and their results: forever
 
     def teardown(self) -> None:
         try:
@@ -171,10 +178,12 @@ class EnvelopeMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
 
-    @initialize(target=messages, work=st.lists(MAX_ATTEMPTS, min_size=1, max_size=4))
-    def some_work(self, work: list[int]) -> Any:
+    @initialize(
+        target=messages, work=st.lists(st.tuples(STAGES, MAX_ATTEMPTS), min_size=1, max_size=4)
+    )
+    def some_work(self, work: list[tuple[str, int]]) -> Any:
         # Swarm testing may switch `enqueue` off for a whole example; start with work anyway.
-        return multiple(*(self.enqueue(None, "intake", n) for n in work))
+        return multiple(*(self.enqueue(None, stage, n) for stage, n in work))
 
     @rule(target=messages, repeat=REPEAT, stage=STAGES, max_attempts=MAX_ATTEMPTS)
     def enqueue(self, repeat: int | None, stage: str, max_attempts: int) -> int:
@@ -194,7 +203,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
             self.bus.enqueue(
                 now=self.now,
                 tenant=TENANT,
-                pipeline="demo",
+                pipeline=PIPELINE,
                 stage=stage,
                 source=SOURCE,
                 source_id=source_id,
@@ -208,7 +217,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
             return known
         assert result.new and result.id not in self.model
         self.keys[(source_id, stage)] = result.id
-        m = Model(result.id, max_attempts, not_before=self.now)
+        m = Model(result.id, max_attempts, not_before=self.now, stage=stage)
         m.log.append(Logged(None, S.PENDING, "enqueued", 0, None))
         self.model[result.id] = m
         return result.id
@@ -232,7 +241,8 @@ class EnvelopeMachine(RuleBasedStateMachine):
             self.top_token = max(self.top_token, g.lease_token)
             m.attempts += 1
             m.token = g.lease_token
-            m.expires = self.now + lease
+            m.run_deadline = self.now + MAX_RUNTIME[m.stage]
+            m.expires = min(self.now + lease, m.run_deadline)
             m.move(S.RUNNING, "claimed")
             assert g.status is S.RUNNING and g.attempts == m.attempts
             assert g.lease_expires_at == m.expires and g.claimed_by == "w"
@@ -248,15 +258,14 @@ class EnvelopeMachine(RuleBasedStateMachine):
         """A worker writes under a lease: any lease ever handed out, current or long lost.
 
         One rule for the three writes, so that swarm testing does not switch fencing off
-        piecemeal; and a lease lost to a newer claim that is running now (the case fencing
-        exists for) is picked on purpose, as it is rare among all the leases ever issued.
+        piecemeal. Most leases ever issued are long dead, so the lease is drawn from all of
+        them, or from those still held, or from those lost to a newer claim that is running
+        now (the case fencing exists for).
         """
-        lost = [
-            g
-            for g in self.leases
-            if self.model[g.id].status is S.RUNNING and self.model[g.id].token != g.lease_token
-        ]
-        pool = data.draw(st.sampled_from([self.leases, lost] if lost else [self.leases]))
+        running = [g for g in self.leases if self.model[g.id].status is S.RUNNING]
+        held = [g for g in running if self.model[g.id].token == g.lease_token]
+        lost = [g for g in running if self.model[g.id].token != g.lease_token]
+        pool = data.draw(st.sampled_from([p for p in (self.leases, held, lost) if p]))
         self.write(act, data.draw(st.sampled_from(pool)), extend)
 
     def write(self, act: str, message: Message, extend: timedelta) -> None:
@@ -270,11 +279,19 @@ class EnvelopeMachine(RuleBasedStateMachine):
     def heartbeat(self, message: Message, extend: timedelta) -> None:
         m = self.model[message.id]
         expected = m.ack_for(message.lease.lease_token)
+        overran = expected is AckOutcome.APPLIED and self.now >= (m.run_deadline or self.now)
         before = self.row(m.id)
         beat = self.run(self.bus.heartbeat(message.lease, extend=extend, now=self.now))
+        if overran:
+            # Past its hard run deadline the current lease is not extended. The runner's
+            # heartbeat_many answers OVERRUN here; Bus.heartbeat answers STALE (see the report).
+            assert beat.outcome in (AckOutcome.OVERRUN, AckOutcome.STALE)
+            assert self.row(m.id) == before, "an overrun heartbeat changed the row"
+            return
         assert beat.outcome is expected
         if expected is AckOutcome.APPLIED:
-            m.expires = self.now + extend
+            assert m.run_deadline is not None
+            m.expires = min(self.now + extend, m.run_deadline)
             assert beat.lease_expires_at == m.expires
             assert self.row(m.id).lease_expires_at == m.expires
         else:
@@ -290,8 +307,8 @@ class EnvelopeMachine(RuleBasedStateMachine):
         assert outcome is expected
         if expected is AckOutcome.APPLIED:
             m.expires = None
-            m.result = result
             m.move(S.DONE, "completed")
+            self.done[m.id] = result
         else:
             assert self.row(m.id) == before, f"a {expected} completion changed the row"
 
@@ -320,7 +337,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
         m = self.model[message_id]
         before = self.row(m.id)
         done = self.run(self.bus.cancel(TENANT, message_id, reason="stop", now=self.now))
-        if m.status in TERMINAL_FOR_CANCEL:
+        if m.status in TERMINAL:
             assert not done
             assert self.row(m.id) == before, "a refused cancel changed the row"
             return
@@ -397,13 +414,13 @@ class EnvelopeMachine(RuleBasedStateMachine):
             # Running iff leased: at most one current lease per message.
             assert (row["status"] == S.RUNNING) == (row["lease_expires_at"] is not None)
             assert row["lease_expires_at"] == m.expires
+            assert row["run_deadline"] == m.run_deadline
             assert row["max_attempts"] == m.max_attempts
             if m.status is S.PENDING:
                 assert row["not_before"] == m.not_before
-            if m.status is S.DONE:
-                assert row["result"] == m.result
-            entries = log.get(message_id, [])
-            self._check_log(message_id, row, entries, m)
+            self._check_log(message_id, row, log.get(message_id, []), m)
+        for message_id, result in self.done.items():
+            assert (rows[message_id]["status"], rows[message_id]["result"]) == (S.DONE, result)
 
     @staticmethod
     def _check_log(
@@ -436,9 +453,16 @@ class EnvelopeMachine(RuleBasedStateMachine):
         async with self.db.system_conn() as conn:
             cur = await conn.execute(
                 "SELECT id, status::text AS status, attempts, max_attempts, lease_token,"
-                " lease_expires_at, not_before, result FROM agent_messages"
+                " lease_expires_at, run_deadline, not_before, result FROM agent_messages"
             )
             rows = {r["id"]: r for r in await cur.fetchall()}
+            cur = await conn.execute(
+                "SELECT running FROM tenant_runtime WHERE tenant = %s", (TENANT,)
+            )
+            counter = await cur.fetchone()
+            assert counter is not None
+            # The tenant's running counter (what claims check concurrency against) stays exact.
+            assert counter["running"] == sum(r["status"] == S.RUNNING for r in rows.values())
             cur = await conn.execute(
                 "SELECT message_id, from_status::text AS from_status,"
                 " to_status::text AS to_status, reason, attempt, lease_token"
@@ -451,6 +475,14 @@ class EnvelopeMachine(RuleBasedStateMachine):
 
 
 def test_envelope_state_machine(fresh_db: Endpoints) -> None:
+    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO appliance.pipeline_stages"
+            " (pipeline, stage, lane, task_kind, handler, directive, max_runtime, max_attempts)"
+            " VALUES (%s, 'review', 'interactive', 'test', 'test', 'review it', %s, 3)",
+            (PIPELINE, MAX_RUNTIME["review"]),
+        )
+
     class Machine(EnvelopeMachine):
         endpoints = fresh_db
 
