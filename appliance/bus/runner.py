@@ -130,7 +130,6 @@ class Runner:
         self._acks: list[tuple[_Attempt, Completion]] = []
         self._ack_ready = asyncio.Event()
         self._wake = asyncio.Event()
-        self._rung = False
         # Lanes that may hold claimable work: set by the doorbell (its payload is the lane), by
         # a poll or a local timer (all lanes), cleared by a claim that came back short. Empty
         # lanes are not asked again until something says they may have work.
@@ -158,14 +157,11 @@ class Runner:
         try:
             # After every (re)start: sweep for work first, then wait. A sweep is not a poll: work
             # found now was not missed by the doorbell.
-            self._rung = True
             self._wake.set()
             while not stop.is_set():
-                await self._wait_for_reason()
+                polled = await self._wait_for_reason()
                 if stop.is_set():
                     break
-                polled = not self._rung
-                self._rung = False
                 if polled:
                     self.stats.polls += 1
                 claimed = await self._fill(polled)
@@ -196,16 +192,21 @@ class Runner:
             timeout = max(0.0, min(timeout, self._next_local_wake - time.monotonic()))
         return timeout
 
-    async def _wait_for_reason(self) -> None:
+    async def _wait_for_reason(self) -> bool:
+        """Wait for a wake-up; True when it was the fallback poll (nothing else woke us)."""
+        polled = False
         if not self._wake.is_set():
             try:
                 await asyncio.wait_for(self._wake.wait(), self._poll_timeout())
             except TimeoutError:
+                polled = True
                 self._maybe = set(Lane)  # the fallback poll: ask every lane
         if self._next_local_wake is not None and time.monotonic() >= self._next_local_wake:
             self._next_local_wake = None
             self._maybe = set(Lane)  # a retry's backoff ended: its lane is unknown here
+            polled = False
         self._wake.clear()
+        return polled
 
     async def _doorbell_loop(self) -> None:
         assert self.doorbell is not None
@@ -215,7 +216,6 @@ class Runner:
                 if lanes:
                     self.stats.wakeups_rung += 1
                     self._maybe |= lanes
-                    self._rung = True
                     self._wake.set()
             except asyncio.CancelledError:
                 raise

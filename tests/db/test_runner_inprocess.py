@@ -139,4 +139,6 @@ async def test_status_shows_the_runner_and_its_listener(running) -> None:
     st = await store.status()
     (me,) = [x for x in st.runners if x.id == "inproc"]
     assert me.alive and me.listener_connected and me.completed >= 1
+    # Everything was announced by the doorbell: no poll found work it had missed.
+    assert me.missed_wakeups == 0 and me.last_missed_wakeup_age_s is None
     assert st.stages["quick.run"] == {"done": 1}
