@@ -109,8 +109,9 @@ BEGIN
 
     INSERT INTO message_transitions
         (tenant, message_id, from_status, to_status, reason, actor, attempt, lease_token, at)
+    -- A lease leaving running is cleared on the row; the log keeps which lease it was.
     SELECT n.tenant, n.id, o.status, n.status, n.status_reason, n.status_actor, n.attempts,
-           n.lease_token, n.updated_at
+           coalesce(n.lease_token, o.lease_token), n.updated_at
     FROM new_rows n JOIN old_rows o ON o.id = n.id
     WHERE n.status <> o.status;
 

@@ -244,15 +244,37 @@ class PgMessageStore:
         self, lease: LeaseRef, *, extend: timedelta, now: datetime | None = None
     ) -> HeartbeatResult:
         """Extend the lease if it is still current; otherwise say why the worker must stop."""
-        params = {"id": lease.message_id, "token": lease.lease_token, "extend": extend, "now": now}
+        (result,) = await self.heartbeat_many([lease], extend=extend, now=now)
+        return result
+
+    async def heartbeat_many(
+        self, leases: Sequence[LeaseRef], *, extend: timedelta, now: datetime | None = None
+    ) -> list[HeartbeatResult]:
+        """Extend many leases in one statement; each answer says whether to keep going."""
+        if not leases:
+            return []
+        params = {
+            "id": [lease.message_id for lease in leases],
+            "token": [lease.lease_token for lease in leases],
+            "extend": extend,
+            "now": now,
+        }
         async with self.db.system_tx(durable=False) as conn:
-            row = await (await conn.execute(q("message_heartbeat"), params)).fetchone()
-        if row is None:
-            return HeartbeatResult(AckOutcome.STALE)
-        if row["lease_expires_at"] is not None:
-            return HeartbeatResult(AckOutcome.APPLIED, row["lease_expires_at"])
-        same = row["lease_token"] == lease.lease_token
-        return HeartbeatResult(_ack(False, row["status"], same))
+            rows = await (await conn.execute(q("message_heartbeat_many"), params)).fetchall()
+        by_id: dict[int, HeartbeatResult] = {}
+        for row in rows:
+            if row["lease_expires_at"] is not None:
+                by_id[row["id"]] = HeartbeatResult(AckOutcome.APPLIED, row["lease_expires_at"])
+            elif row["same_lease"] and row["status"] == MessageStatus.CANCELLED:
+                by_id[row["id"]] = HeartbeatResult(AckOutcome.CANCELLED)
+            elif row["same_lease"] and row["status"] == MessageStatus.RUNNING:
+                # Still ours: either past its hard run deadline, or written by another statement
+                # at this instant (a completion racing the heartbeat); the next beat will tell.
+                outcome = AckOutcome.OVERRUN if row["overran"] else AckOutcome.APPLIED
+                by_id[row["id"]] = HeartbeatResult(outcome)
+            else:
+                by_id[row["id"]] = HeartbeatResult(AckOutcome.STALE)
+        return [by_id.get(lease.message_id, HeartbeatResult(AckOutcome.STALE)) for lease in leases]
 
     async def complete(
         self,

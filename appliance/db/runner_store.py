@@ -13,42 +13,13 @@ from psycopg.types.json import Jsonb
 
 from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore
 from appliance.db.queries import q
-from appliance.domain.envelope import LeaseRef, MessageStatus
+from appliance.domain.envelope import LeaseRef
 from appliance.domain.pipeline import Pipeline
-from appliance.domain.ports import AckOutcome, BusStatus, HeartbeatResult, RunnerInfo
+from appliance.domain.ports import BusStatus, RunnerInfo
 
 
 class PgRunnerStore(PgMessageStore):
     """Everything the runner and the maintenance services need, on top of the envelope."""
-
-    async def heartbeat_many(
-        self, leases: Sequence[LeaseRef], *, extend: timedelta, now: datetime | None = None
-    ) -> list[HeartbeatResult]:
-        """Extend many leases in one statement; each answer says whether to keep going."""
-        if not leases:
-            return []
-        params = {
-            "id": [lease.message_id for lease in leases],
-            "token": [lease.lease_token for lease in leases],
-            "extend": extend,
-            "now": now,
-        }
-        async with self.db.system_tx(durable=False) as conn:
-            rows = await (await conn.execute(q("message_heartbeat_many"), params)).fetchall()
-        by_id: dict[int, HeartbeatResult] = {}
-        for row in rows:
-            if row["lease_expires_at"] is not None:
-                by_id[row["id"]] = HeartbeatResult(AckOutcome.APPLIED, row["lease_expires_at"])
-            elif row["same_lease"] and row["status"] == MessageStatus.CANCELLED:
-                by_id[row["id"]] = HeartbeatResult(AckOutcome.CANCELLED)
-            elif row["same_lease"] and row["status"] == MessageStatus.RUNNING:
-                # Still ours: either past its hard run deadline, or written by another statement
-                # at this instant (a completion racing the heartbeat); the next beat will tell.
-                outcome = AckOutcome.OVERRUN if row["overran"] else AckOutcome.APPLIED
-                by_id[row["id"]] = HeartbeatResult(outcome)
-            else:
-                by_id[row["id"]] = HeartbeatResult(AckOutcome.STALE)
-        return [by_id.get(lease.message_id, HeartbeatResult(AckOutcome.STALE)) for lease in leases]
 
     async def release(
         self, leases: Sequence[LeaseRef], *, actor: str = SYSTEM_ACTOR, now: datetime | None = None

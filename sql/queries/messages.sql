@@ -14,20 +14,6 @@ FROM enqueue_messages(
     %(default_max_attempts)s::integer
 ) AS e;
 
--- name: message_heartbeat :one
--- Extend a lease if (and only if) it is still the current one; always report the row's status and token so the caller learns of cancellation or loss.
-WITH beat AS (
-    UPDATE agent_messages
-    SET lease_expires_at = least(coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval,
-                                 coalesce(run_deadline, 'infinity'::timestamptz))
-    WHERE id = %(id)s AND lease_token = %(token)s AND status = 'running'
-      AND coalesce(run_deadline, 'infinity'::timestamptz) > coalesce(%(now)s::timestamptz, now())
-    RETURNING lease_expires_at
-)
-SELECT (SELECT lease_expires_at FROM beat) AS lease_expires_at, m.status, m.lease_token
-FROM agent_messages m
-WHERE m.id = %(id)s;
-
 -- name: message_complete :many
 -- Record results under their leases (a batch); a lease that is no longer current changes nothing and is reported with the row's status.
 WITH input AS (
@@ -64,6 +50,7 @@ WITH failed AS (
         not_before = coalesce(%(now)s::timestamptz, now()) + %(retry_delay)s::interval,
         error = %(error)s,
         lease_expires_at = NULL,
+        lease_token = NULL,
         finished_at = CASE WHEN m.attempts >= m.max_attempts
                            THEN coalesce(%(now)s::timestamptz, now()) END,
         updated_at = coalesce(%(now)s::timestamptz, now()),
@@ -147,6 +134,7 @@ SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
                   ELSE 'pending' END::message_status,
     not_before = coalesce(%(now)s::timestamptz, now()),
     lease_expires_at = NULL,
+    lease_token = NULL,
     error = 'lease expired (worker ' || coalesce(m.claimed_by, '?') || ' went silent)',
     finished_at = CASE WHEN m.attempts >= m.max_attempts
                        THEN coalesce(%(now)s::timestamptz, now()) END,

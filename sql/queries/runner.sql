@@ -122,6 +122,7 @@ UPDATE agent_messages m
 SET status = 'pending',
     attempts = greatest(m.attempts - 1, 0),
     lease_expires_at = NULL,
+    lease_token = NULL,
     not_before = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = 'released',
@@ -135,6 +136,7 @@ RETURNING m.id;
 UPDATE agent_messages
 SET status = 'expired',
     lease_expires_at = NULL,
+    lease_token = NULL,
     finished_at = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = %(reason)s,

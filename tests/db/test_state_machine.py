@@ -8,6 +8,8 @@ and the invariants of the envelope must hold:
 
 * running iff leased, and only the latest lease token of a message can write; a write under
   an older token answers STALE (or CANCELLED) and changes nothing in the row;
+* no lease reaches past its attempt's hard run deadline, and the tenant's running counter
+  (what claims check concurrency against) equals its number of running messages;
 * every status change is logged, the log of each message is a chain of legal transitions that
   ends in its current status, and its `running` entries count every attempt ever made;
 * a duplicate (source, source id, stage) answers the same id, not new, and changes nothing;
@@ -116,9 +118,9 @@ class Model:
     def ack_for(self, token: int) -> AckOutcome:
         """What a fenced write under `token` must answer now.
 
-        CANCELLED means: the message is cancelled and still carries this token. That includes
-        a lease reclaimed (or failed, or re-driven) first and the message cancelled afterwards,
-        while it was pending or dead: the store compares tokens, not "cancelled while running".
+        CANCELLED means: the message was cancelled while running under this very lease. A
+        lease that left running otherwise (reclaimed, failed, released) is cleared from the
+        row, so a later cancel answers its old holder STALE.
         """
         if self.token == token and self.status is S.RUNNING:
             return AckOutcome.APPLIED
@@ -283,9 +285,8 @@ class EnvelopeMachine(RuleBasedStateMachine):
         before = self.row(m.id)
         beat = self.run(self.bus.heartbeat(message.lease, extend=extend, now=self.now))
         if overran:
-            # Past its hard run deadline the current lease is not extended. The runner's
-            # heartbeat_many answers OVERRUN here; Bus.heartbeat answers STALE (see the report).
-            assert beat.outcome in (AckOutcome.OVERRUN, AckOutcome.STALE)
+            # Past its hard run deadline the current lease is not extended: OVERRUN.
+            assert beat.outcome is AckOutcome.OVERRUN
             assert self.row(m.id) == before, "an overrun heartbeat changed the row"
             return
         assert beat.outcome is expected
@@ -329,6 +330,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
         else:
             assert outcome is FailOutcome.RETRY
             m.move(S.PENDING, "attempt_failed")
+        m.token = None
         after = self.row(m.id)
         assert after.error == "boom" and after.not_before == m.not_before
 
@@ -359,6 +361,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
             m.expires = None
             m.not_before = self.now
             m.move(S.DEAD if m.attempts >= m.max_attempts else S.PENDING, "lease_expired")
+            m.token = None
 
     @precondition(lambda self: self.any_in(S.DEAD))
     @rule(target_id=st.none() | messages)
