@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import logging
 import os
@@ -265,6 +266,14 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _dump_tasks() -> None:
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        out.write(f"--- {task.get_name()}\n")
+        task.print_stack(file=out)
+    logging.getLogger("appliance.runner").warning("asyncio tasks:\n%s", out.getvalue())
+
+
 async def cmd_runner(settings: Settings, args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         settings.runner.concurrency = args.concurrency
@@ -279,6 +288,8 @@ async def cmd_runner(settings: Settings, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # SIGUSR1 prints every asyncio task's stack to the log: how to see what a runner waits on.
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
     await run_runner(settings, stop)
     return 0
 

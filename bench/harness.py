@@ -10,6 +10,7 @@ import platform
 import re
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -267,6 +268,29 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def code_version(root: Path = RESULTS_PATH.parent.parent) -> str:
+    """The commit measured, and how many files outside bench/ differ from it (uncommitted)."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    dirty = [line for line in status if not line[3:].startswith("bench/")]
+    return f"commit {head}" + (f" + {len(dirty)} uncommitted file(s)" if dirty else "")
 
 
 def machine_facts() -> dict[str, str]:

@@ -172,7 +172,8 @@ class Runner:
             await self._drain()
             for task in side:
                 task.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            # Bounded: a side task that will not finish must not keep the process alive.
+            await asyncio.wait(side, timeout=5.0)
             await self._flush_acks()
             with contextlib.suppress(Exception):
                 await self.store.report_runner({**self._info(), "stopped_at": self.clock()})
@@ -197,7 +198,10 @@ class Runner:
         polled = False
         if not self._wake.is_set():
             try:
-                await asyncio.wait_for(self._wake.wait(), self._poll_timeout())
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can lose a cancellation that
+                # races its inner future, which hung shutdown here.
+                async with asyncio.timeout(self._poll_timeout()):
+                    await self._wake.wait()
             except TimeoutError:
                 polled = True
                 self._maybe = set(Lane)  # the fallback poll: ask every lane

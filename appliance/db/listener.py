@@ -60,7 +60,10 @@ class PgDoorbell:
     async def wait(self, timeout: float) -> frozenset[Lane]:
         """The lanes rung within `timeout` seconds (consumed); empty when none rang."""
         try:
-            await asyncio.wait_for(self._ring.wait(), timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can lose a cancellation that
+            # races its inner future, and the runner's shutdown waited on it forever.
+            async with asyncio.timeout(timeout):
+                await self._ring.wait()
         except TimeoutError:
             return frozenset()
         self._ring.clear()

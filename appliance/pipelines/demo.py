@@ -23,7 +23,8 @@ async def _pause(ctx: StageContext, payload: dict[str, Any]) -> None:
     delay = min(float(payload.get("delay_ms", 0)) / 1000.0, 30.0)
     if delay > 0:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctx.wait_cancelled(), delay)
+            async with asyncio.timeout(delay):
+                await ctx.wait_cancelled()
 
 
 async def intake(ctx: StageContext) -> StageResult:

@@ -23,7 +23,8 @@ async def work(ctx: StageContext) -> StageResult:
     delay = _num(ctx, "sleep")
     if delay > 0:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctx.wait_cancelled(), delay)
+            async with asyncio.timeout(delay):
+                await ctx.wait_cancelled()
     return ctx.finish(ctx.message.context)
 
 
