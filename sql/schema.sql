@@ -267,16 +267,21 @@ CREATE FUNCTION appliance.current_tenant() RETURNS text
 ALTER FUNCTION appliance.current_tenant() OWNER TO appliance_owner;
 
 --
--- Name: enqueue_messages(timestamp with time zone, interval, integer[], text[], text[], text[], text[], text[], text[], text[], jsonb[], text[], text[], appliance.lane[], smallint[], integer[], timestamp with time zone[], timestamp with time zone[], integer[], integer); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+-- Name: enqueue_messages(timestamp with time zone, interval, integer[], text[], text[], text[], text[], text[], text[], text[], jsonb[], text[], text[], appliance.lane[], smallint[], integer[], timestamp with time zone[], timestamp with time zone[], integer[], integer, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[], p_default_max_attempts integer DEFAULT 5) RETURNS TABLE(ord integer, id bigint, new boolean)
+CREATE FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[], p_default_max_attempts integer DEFAULT 5, p_scope text DEFAULT NULL::text) RETURNS TABLE(ord integer, id bigint, new boolean)
     LANGUAGE plpgsql
     SET search_path TO 'appliance', 'pg_catalog'
     AS $$
 DECLARE
     unknown text;
 BEGIN
+-- p_scope: the tenant of this transaction (SET LOCAL), so that a tenant's enqueue is one
+-- autocommit statement, one round trip; row-level security then checks every row against it.
+IF p_scope IS NOT NULL THEN
+    PERFORM set_config('appliance.tenant', p_scope, true);
+END IF;
 -- One set-based check instead of a foreign-key probe per key row.
 SELECT t INTO unknown FROM unnest(p_tenant) AS t
 WHERE NOT EXISTS (SELECT FROM tenants WHERE name = t) LIMIT 1;
@@ -334,7 +339,7 @@ ORDER BY req.ord;
 END
 $$;
 
-ALTER FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[], p_default_max_attempts integer) OWNER TO appliance_owner;
+ALTER FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[], p_default_max_attempts integer, p_scope text) OWNER TO appliance_owner;
 
 --
 -- Name: idempotency_key(text, text, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner

@@ -92,6 +92,7 @@ def _enqueue_params(
         "now": now,
         "retention": retention,
         "default_max_attempts": default_max_attempts,
+        "scope": None,
         "ord": list(range(len(requests))),
         "tenant": [r.tenant for r in requests],
         "pipeline": [r.pipeline for r in requests],
@@ -151,11 +152,13 @@ class PgMessageStore:
         params = _enqueue_params(unique, retention, now, default_max_attempts)
         tenants = {r.tenant for r in unique}
         try:
+            # One autocommit statement either way: atomic, one round trip.
             if len(tenants) == 1:
-                async with self.db.tenant_tx(next(iter(tenants))) as conn:
+                params["scope"] = next(iter(tenants))
+                async with self.db.app_pool.connection() as conn:
                     rows = await (await conn.execute(q("message_enqueue"), params)).fetchall()
             else:
-                async with self.db.system_tx() as conn:
+                async with self.db.system_conn() as conn:
                     rows = await (await conn.execute(q("message_enqueue"), params)).fetchall()
         except psycopg.errors.ForeignKeyViolation:
             raise UnknownTenant(await self._missing_tenant(tenants)) from None

@@ -80,13 +80,19 @@ CREATE FUNCTION enqueue_messages(
     p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[],
     p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane lane[],
     p_priority smallint[], p_max_attempts integer[], p_not_before timestamptz[],
-    p_deadline timestamptz[], p_hops integer[], p_default_max_attempts integer DEFAULT 5
+    p_deadline timestamptz[], p_hops integer[], p_default_max_attempts integer DEFAULT 5,
+    p_scope text DEFAULT NULL
 ) RETURNS TABLE (ord integer, id bigint, new boolean)
     LANGUAGE plpgsql SET search_path = appliance, pg_catalog
     AS $$
 DECLARE
     unknown text;
 BEGIN
+-- p_scope: the tenant of this transaction (SET LOCAL), so that a tenant's enqueue is one
+-- autocommit statement, one round trip; row-level security then checks every row against it.
+IF p_scope IS NOT NULL THEN
+    PERFORM set_config('appliance.tenant', p_scope, true);
+END IF;
 -- One set-based check instead of a foreign-key probe per key row.
 SELECT t INTO unknown FROM unnest(p_tenant) AS t
 WHERE NOT EXISTS (SELECT FROM tenants WHERE name = t) LIMIT 1;
