@@ -134,6 +134,9 @@ class Runner:
         # a poll or a local timer (all lanes), cleared by a claim that came back short. Empty
         # lanes are not asked again until something says they may have work.
         self._maybe: set[Lane] = set(Lane)
+        # Bumped by every hint, so a claim that was in flight while a hint arrived does not
+        # clear the lane on the strength of its older snapshot.
+        self._hints: dict[Lane, int] = {lane: 0 for lane in Lane}
         self._stopping = False
         self._next_local_wake: float | None = None
         self._last_reclaim = 0.0
@@ -204,10 +207,10 @@ class Runner:
                     await self._wake.wait()
             except TimeoutError:
                 polled = True
-                self._maybe = set(Lane)  # the fallback poll: ask every lane
+                self._hint(*Lane)  # the fallback poll: ask every lane
         if self._next_local_wake is not None and time.monotonic() >= self._next_local_wake:
             self._next_local_wake = None
-            self._maybe = set(Lane)  # a retry's backoff ended: its lane is unknown here
+            self._hint(*Lane)  # a retry's backoff ended: its lane is unknown here
             polled = False
         self._wake.clear()
         return polled
@@ -219,7 +222,7 @@ class Runner:
                 lanes = await self.doorbell.wait(1.0)
                 if lanes:
                     self.stats.wakeups_rung += 1
-                    self._maybe |= lanes
+                    self._hint(*lanes)
                     self._wake.set()
             except asyncio.CancelledError:
                 raise
@@ -247,6 +250,7 @@ class Runner:
             if free <= 0 or lane not in self._maybe:
                 continue
             asked = min(free, self.config.claim_batch)
+            hints = self._hints[lane]
             try:
                 messages = await self.store.claim_lane(
                     worker=self.config.worker_id,
@@ -260,7 +264,7 @@ class Runner:
                 log.exception("claim failed; retrying on the next wake-up")
                 self._schedule_local_wake(1.0)
                 return total
-            if len(messages) < asked:
+            if len(messages) < asked and self._hints[lane] == hints:
                 self._maybe.discard(lane)
             for message in messages:
                 self._start(message)
@@ -272,6 +276,12 @@ class Runner:
                     self.stats.last_missed_wakeup_at = self.clock()
         self.stats.claimed += total
         return total
+
+    def _hint(self, *lanes: Lane) -> None:
+        """These lanes may hold claimable work: ask them at the next fill."""
+        for lane in lanes:
+            self._maybe.add(lane)
+            self._hints[lane] += 1
 
     def _schedule_local_wake(self, seconds: float) -> None:
         at = time.monotonic() + max(0.0, seconds)
@@ -376,12 +386,16 @@ class Runner:
             self.slots.give(attempt.message.lane)
             # A claim of this lane may have come back short because the tenant was at its
             # limit; the work just finished may have made room, so ask this lane again.
-            self._maybe.add(attempt.message.lane)
+            self._hint(attempt.message.lane)
             self._wake.set()
 
     def _finish(self, attempt: _Attempt) -> None:
         if self._attempts.pop(attempt.message.id, None) is not None:
             self._free_slot(attempt)
+            # Its outcome is committed: the tenant's running count in the database went down
+            # too, so a claim that came back short for the tenant's limit may now succeed.
+            self._hint(attempt.message.lane)
+            self._wake.set()
 
     # -- acknowledgements ------------------------------------------------------------------------
 

@@ -275,8 +275,9 @@ def test_immediate_server_restarts_under_load(
     if cluster is None:
         pytest.skip("the server is a container: no pg_ctl to crash it with")
     admin = fresh_db.admin
-    n = 2000
-    enqueue(fresh_db, "work", n, prefix="c", context={"sleep": 0.01})
+    n = 3000
+    # Long enough to still be under way at the third crash (about 8 s of work here).
+    enqueue(fresh_db, "work", n, prefix="c", context={"sleep": 0.03})
     admin_exec(admin, "CHECKPOINT")  # the test cluster commits asynchronously: keep the input
     a, b = procs.start("a"), procs.start("b")
     wait_until(lambda: counts(admin).get("done", 0) >= 100, 30, what="work under way")
@@ -307,7 +308,7 @@ def test_sigkill_storm_every_stalled_lease_is_reclaimed(
 ) -> None:
     admin = fresh_db.admin
     n = 10_000
-    enqueue(fresh_db, "work", n, prefix="s", context={"sleep": 0.005})
+    enqueue(fresh_db, "work", n, prefix="s", context={"sleep": 0.04})
     env = {"APPLIANCE_RUNNER__TENANT_LIMIT": "64"}  # one tenant may use all four runners
     alive = [procs.start(None, **env) for _ in range(4)]
     wait_until(lambda: counts(admin).get("running", 0) > 0, 30, what="work under way")
