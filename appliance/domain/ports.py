@@ -166,7 +166,7 @@ class MessageStore(Protocol):
     async def status(self, *, now: datetime | None) -> BusStatus: ...
 
 
-class RunnerStore(Protocol):
+class RunnerStore(MessageStore, Protocol):
     """What the stage runner needs beyond the envelope's basic paths."""
 
     async def claim_lane(
@@ -184,20 +184,6 @@ class RunnerStore(Protocol):
         self, leases: Sequence[LeaseRef], *, extend: timedelta, now: datetime | None
     ) -> list[HeartbeatResult]: ...
 
-    async def complete(
-        self, completions: Sequence[Completion], *, actor: str, now: datetime | None
-    ) -> list[AckOutcome]: ...
-
-    async def fail(
-        self,
-        lease: LeaseRef,
-        *,
-        error: str,
-        retry_delay: timedelta,
-        actor: str,
-        now: datetime | None,
-    ) -> FailOutcome: ...
-
     async def expire_running(
         self, lease: LeaseRef, *, reason: str, actor: str, now: datetime | None
     ) -> bool: ...
@@ -205,8 +191,6 @@ class RunnerStore(Protocol):
     async def release(
         self, leases: Sequence[LeaseRef], *, actor: str, now: datetime | None
     ) -> int: ...
-
-    async def reclaim(self, *, batch: int, now: datetime | None) -> list[int]: ...
 
     async def register_runner(self, info: dict[str, Any]) -> None: ...
 
