@@ -286,7 +286,8 @@ END IF;
 SELECT t INTO unknown FROM unnest(p_tenant) AS t
 WHERE NOT EXISTS (SELECT FROM tenants WHERE name = t) LIMIT 1;
 IF FOUND THEN
-    RAISE EXCEPTION 'unknown tenant %', unknown USING ERRCODE = 'foreign_key_violation';
+    RAISE EXCEPTION 'unknown tenant %', unknown
+        USING ERRCODE = 'foreign_key_violation', DETAIL = unknown;
 END IF;
 RETURN QUERY
 WITH req AS (

@@ -160,8 +160,9 @@ class PgMessageStore:
             else:
                 async with self.db.system_conn() as conn:
                     rows = await (await conn.execute(q("message_enqueue"), params)).fetchall()
-        except psycopg.errors.ForeignKeyViolation:
-            raise UnknownTenant(await self._missing_tenant(tenants)) from None
+        except psycopg.errors.ForeignKeyViolation as exc:
+            # enqueue_messages names the unknown tenant in the error's detail.
+            raise UnknownTenant(exc.diag.message_detail or ", ".join(sorted(tenants))) from None
         except psycopg.errors.CheckViolation as exc:
             problem = f"rejected by the database: {exc.diag.message_primary}"
             raise InvalidInput("message", problem) from None
@@ -174,14 +175,6 @@ class PgMessageStore:
             results.append(answer if k not in seen else EnqueueResult(answer.id, False))
             seen.add(k)
         return results
-
-    async def _missing_tenant(self, tenants: set[str]) -> str:
-        async with self.db.system_conn() as conn:
-            for tenant in sorted(tenants):
-                row = await (await conn.execute(q("tenant_exists"), {"name": tenant})).fetchone()
-                if row is None or not row["present"]:
-                    return tenant
-        return ", ".join(sorted(tenants))
 
     # -- the worker's path -----------------------------------------------------------------
 
