@@ -16,12 +16,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from appliance import cli_models
 from appliance.db.database import client_argv
 from appliance.db.migrate import migrate
 from appliance.db.schema_dump import dump_schema
 from appliance.domain.envelope import WAITING, Lane, MessageStatus, decode_context
 from appliance.domain.errors import ApplianceError, InvalidInput
 from appliance.domain.ports import BusStatus
+from appliance.pipelines.support import SAMPLE_TICKETS
 from appliance.runtime import endpoints, local_cluster, pg_tool, run_runner, services
 from appliance.settings import Settings
 
@@ -188,6 +190,13 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def _rate(pool: dict[str, Any]) -> str:
+    seconds = float(pool.get("tokens_predicted_seconds_total") or 0.0)
+    if seconds <= 0:
+        return "- tok/s"
+    return f"{pool['tokens_predicted_total'] / seconds:.1f} tok/s"
+
+
 def status_text(st: BusStatus) -> str:
     cols = ["pending", "running", "waiting", "dead", "done", "cancelled", "expired"]
     lines = [
@@ -223,6 +232,17 @@ def status_text(st: BusStatus) -> str:
         f"last hour: {st.reclaims_last_hour} reclaims, "
         f"{st.dedup_keys_hit_last_hour} idempotency keys hit by duplicates"
     )
+    for runner in alive:
+        pools = runner.stats.get("inference") or {}
+        for tier, p in pools.items():
+            lines.append(
+                f"model {tier:<10} {p['model']:<28} workers {p['workers_alive']}/{p['workers']}"
+                f" busy {p['busy_workers']}  processing {p['requests_processing']}"
+                f" deferred {p['requests_deferred']}  requests {p['requests_total']}"
+                f" failed {p['requests_failed']} refused {p['requests_refused']}"
+                f"  tokens in {p['prompt_tokens_total']} out {p['tokens_predicted_total']}"
+                f" ({_rate(p)})  [{runner.id}]"
+            )
     if st.stages:
         lines.append("stages:")
         for stage, counts in st.stages.items():
@@ -295,33 +315,51 @@ async def cmd_runner(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
-    """Submit demo work and show it flowing through the stages until it is done."""
+    """Submit support tickets and show them classified and answered (needs a runner)."""
     async with services(settings) as svc:
         await svc.tenants.add("demo")
         batch = f"{int(time.time())}"
-        words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+        tickets = [SAMPLE_TICKETS[i % len(SAMPLE_TICKETS)] for i in range(args.count)]
         requests = [
             svc.bus.request(
                 tenant="demo",
-                pipeline="demo",
-                stage="intake",
-                source="demo",
+                pipeline="support",
+                stage="classify",
+                source="demo-tickets",
                 source_id=f"{batch}-{i}",
-                directive=" ".join(words[: 1 + i % len(words)]),
-                context={"delay_ms": args.delay_ms},
+                directive=f"support ticket: {ticket['subject']}",
+                context={**ticket, "ticket_id": f"T-{batch}-{i}"},
             )
-            for i in range(args.count)
+            for i, ticket in enumerate(tickets)
         ]
-        await svc.bus.enqueue_many(requests)
-        print(f"submitted {args.count} demo requests (pipeline demo: intake -> enrich -> publish)")
+        results = await svc.bus.enqueue_many(requests)
+        print(
+            f"submitted {args.count} support tickets (pipeline support: classify -> draft -> reply)"
+        )
         deadline = time.monotonic() + args.timeout
         while True:
             st = await svc.bus.status()
-            finished = st.stages.get("demo.publish", {}).get("done", 0)
+            counts = st.stages.get("support.reply", {})
+            finished = counts.get("done", 0)
             print(status_text(st), end="\n\n", flush=True)
             if finished >= args.count or time.monotonic() > deadline:
                 break
             await asyncio.sleep(args.every)
+        new = sum(1 for r in results if r.new)
+        rows = await svc.store.stage_outputs(
+            "demo",
+            pipeline="support",
+            stage="reply",
+            source="demo-tickets",
+            source_ids=[r.source_id for r in requests],
+        )
+        print(f"answers ({len(rows)} of {new} tickets):")
+        for row in rows:
+            answer = row["result"] or {}
+            print(
+                f"  {answer.get('ticket')} [{answer.get('label')} -> {answer.get('queue')}] "
+                f"{answer.get('status')}: {answer.get('reply')}"
+            )
     return 0
 
 
@@ -375,14 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline-module", action="append", help="also serve this module's PIPELINES"
     )
 
-    demo = sub.add_parser("demo", help="submit demo work and watch it flow (needs a runner)")
-    demo.add_argument("--count", type=int, default=12)
-    demo.add_argument("--delay-ms", type=int, default=400)
-    demo.add_argument("--every", type=float, default=1.0)
-    demo.add_argument("--timeout", type=float, default=60.0)
+    demo = sub.add_parser(
+        "demo", help="submit support tickets and watch them answered (needs a runner)"
+    )
+    demo.add_argument("--count", type=int, default=4)
+    demo.add_argument("--every", type=float, default=2.0)
+    demo.add_argument("--timeout", type=float, default=300.0)
 
     status = sub.add_parser("status", help="the bus at a glance")
     status.add_argument("--json", action="store_true", help="machine-readable")
+
+    cli_models.add_parser(sub)
 
     bus = sub.add_parser("bus", help="operate on messages")
     bs = bus.add_subparsers(dest="bus_action", required=True)
@@ -413,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings()
         if args.command == "db":
             return cmd_db(settings, args)
+        if args.command == "models":
+            return cli_models.cmd_models(settings, args)
         handler = {
             "tenant": cmd_tenant,
             "submit": cmd_submit,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +20,9 @@ from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.errors import ConfigurationError
 from appliance.domain.pipeline import Pipeline, Registry
 from appliance.domain.schedule import Schedule
+from appliance.inference.cache import ModelCache
+from appliance.inference.lockfile import ModelsLock, load_lock
+from appliance.inference.pool import InferencePool, TierSpec
 from appliance.pipelines.registry import BUILT_IN
 from appliance.scheduler import Maintenance
 from appliance.settings import Settings
@@ -121,6 +124,54 @@ def load_pipelines(settings: Settings) -> tuple[list[Pipeline], list[Schedule]]:
     return pipelines, schedules
 
 
+def model_lock(settings: Settings) -> ModelsLock:
+    return load_lock(settings.inference.lock)
+
+
+def model_cache(settings: Settings, log_line: Callable[[str], None] | None = None) -> ModelCache:
+    return ModelCache(settings.inference.cache_dir, log=log_line)
+
+
+def tier_specs(settings: Settings) -> list[TierSpec]:
+    """The tiers to load: each profile model verified byte for byte (nothing is downloaded).
+
+    A missing or wrong file is a ConfigurationError naming the model and what to run.
+    """
+    inference = settings.inference
+    lock = model_lock(settings)
+    cache = model_cache(settings)
+    specs: list[TierSpec] = []
+    for tier, entry in sorted(lock.profile(inference.profile).items(), key=lambda i: i[0].rank):
+        ts = inference.tier(tier)
+        if ts.workers == 0:
+            log.info("tier %s is configured off (0 workers)", tier.value)
+            continue
+        verified = cache.verify(entry)
+        specs.append(
+            TierSpec(
+                tier=tier,
+                model=entry.name,
+                sha256=entry.sha256,
+                path=verified.path,
+                chat_format=entry.chat_format,
+                context_length=entry.context_length,
+                workers=ts.workers,
+                n_ctx=ts.n_ctx,
+                n_threads=ts.n_threads,
+                n_gpu_layers=ts.n_gpu_layers,
+                queue=ts.queue,
+            )
+        )
+    return specs
+
+
+def build_pool(settings: Settings) -> InferencePool | None:
+    """The runner's pool, or None when inference is off for this runner."""
+    if not settings.inference.enabled:
+        return None
+    return InferencePool(tier_specs(settings))
+
+
 def runner_config(settings: Settings) -> RunnerConfig:
     r = settings.runner
     return RunnerConfig(
@@ -134,6 +185,7 @@ def runner_config(settings: Settings) -> RunnerConfig:
         cancel_grace=timedelta(seconds=r.cancel_grace_seconds),
         claim_batch=r.claim_batch,
         reclaim_every=timedelta(seconds=r.reclaim_interval_seconds),
+        capability_wait=timedelta(seconds=r.capability_wait_seconds),
     )
 
 
@@ -141,6 +193,25 @@ async def run_runner(settings: Settings, stop: asyncio.Event) -> None:
     """The runner process: pools, stage graphs, doorbell, maintenance, then serve until stop."""
     pipelines, schedules = load_pipelines(settings)
     config = runner_config(settings)
+    # Models first: a missing or corrupted model stops the runner before it touches the bus.
+    pool = build_pool(settings)
+    if pool is not None:
+        await pool.start()
+    try:
+        await _serve(settings, pipelines, schedules, config, pool, stop)
+    finally:
+        if pool is not None:
+            await pool.close()
+
+
+async def _serve(
+    settings: Settings,
+    pipelines: list[Pipeline],
+    schedules: list[Schedule],
+    config: RunnerConfig,
+    pool: InferencePool | None,
+    stop: asyncio.Event,
+) -> None:
     ends = endpoints(settings)
     db = Database(ends, min_size=2, max_size=max(4, min(config.concurrency + 4, 32)))
     await db.open()
@@ -160,7 +231,12 @@ async def run_runner(settings: Settings, stop: asyncio.Event) -> None:
             archive_retention=timedelta(days=settings.runner.archive_retention_days),
         )
         runner = Runner(
-            store, Registry(pipelines), config, doorbell=doorbell, retry=settings.bus.retry
+            store,
+            Registry(pipelines),
+            config,
+            doorbell=doorbell,
+            retry=settings.bus.retry,
+            inference=pool,
         )
         maintenance.start()
         log.info(

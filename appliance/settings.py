@@ -9,6 +9,7 @@ from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from appliance.domain.envelope import DEFAULT_CONTEXT_MAX_BYTES, Lane
+from appliance.domain.inference import Tier
 from appliance.domain.retry import RetryPolicy
 
 
@@ -87,9 +88,50 @@ class RunnerSettings(BaseModel):
     expire_interval_seconds: float = Field(default=5.0, gt=0)
     archive_interval_seconds: float = Field(default=60.0, gt=0)
     archive_retention_days: float = Field(default=7.0, ge=0)
-    pipelines: list[str] = Field(default_factory=lambda: ["demo"])
+    # How long model work may wait for its tier (waiting_capability) before it expires.
+    capability_wait_seconds: float = Field(default=3600.0, gt=0)
+    pipelines: list[str] = Field(default_factory=lambda: ["demo", "support"])
     # Extra modules whose PIPELINES (and optional SCHEDULES) lists the runner serves too.
     pipeline_modules: list[str] = Field(default_factory=list)
+
+
+def default_models_lock() -> Path:
+    """models.lock at the root of a checkout; /etc/appliance/models.lock in an installed image."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "models.lock").is_file():
+        return root / "models.lock"
+    return Path("/etc/appliance/models.lock")
+
+
+class TierSettings(BaseModel):
+    """One model tier of the runner's pool."""
+
+    # 0 takes the tier down: its work waits in waiting_capability (never downgraded).
+    workers: int = Field(default=1, ge=0, le=64)
+    n_ctx: int = Field(default=2048, ge=128, le=1_048_576)
+    # None: the cores split evenly over every worker of the pool.
+    n_threads: int | None = Field(default=None, ge=1, le=1024)
+    # Layers offloaded to the GPU when llama.cpp was built with a GPU backend (-1: all).
+    n_gpu_layers: int = Field(default=0, ge=-1)
+    # Requests waiting beyond the busy workers; also what bounds the runner's claims.
+    queue: int = Field(default=4, ge=0, le=10_000)
+
+
+class InferenceSettings(BaseModel):
+    """The in-process llama.cpp pool: which models (a profile of models.lock) and how many."""
+
+    enabled: bool = True
+    profile: str = "dev"
+    lock: Path = Field(default_factory=default_models_lock)
+    # None: $APPLIANCE_MODEL_CACHE or ~/.cache/appliance/models.
+    cache_dir: Path | None = None
+    tiers: dict[Tier, TierSettings] = Field(
+        default_factory=lambda: {Tier.MECHANICAL: TierSettings(), Tier.REASONING: TierSettings()}
+    )
+
+    def tier(self, tier: Tier) -> TierSettings:
+        """A tier's settings; a tier not named (an override of only the other) has defaults."""
+        return self.tiers.get(tier) or TierSettings()
 
 
 class Settings(BaseSettings):
@@ -103,6 +145,7 @@ class Settings(BaseSettings):
     db: DatabaseSettings = Field(default_factory=DatabaseSettings)
     bus: BusSettings = Field(default_factory=BusSettings)
     runner: RunnerSettings = Field(default_factory=RunnerSettings)
+    inference: InferenceSettings = Field(default_factory=InferenceSettings)
 
     # The documented short names (APPLIANCE_DATABASE_URL, APPLIANCE_PG_BINDIR) win over nested ones.
     database_url: str | None = Field(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -21,13 +22,34 @@ from typing import Any, cast
 
 from appliance.bus.slots import LaneSlots
 from appliance.domain.envelope import Lane, LeaseRef, Message
-from appliance.domain.pipeline import Registry, StageContext, StageResult
+from appliance.domain.inference import (
+    TIER_ORDER,
+    CallCancelled,
+    CallControl,
+    CallRecord,
+    CapabilityUnavailable,
+    DeadlineExceeded,
+    InferenceRequest,
+    InferenceResult,
+    InferenceService,
+    OutputInvalid,
+    Route,
+    Tier,
+    min_tier,
+    resumable,
+    route,
+)
+from appliance.domain.pipeline import Registry, Stage, StageContext, StageResult
 from appliance.domain.ports import AckOutcome, Completion, Doorbell, RunnerStore
 from appliance.domain.retry import RetryPolicy
 
 log = logging.getLogger("appliance.runner")
 
 CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
+
+
+# A representative task kind per tier, to ask the routing policy about a tier as a whole.
+_KIND_OF: dict[Tier, str] = {Tier.MECHANICAL: "classify", Tier.REASONING: "draft"}
 
 
 def default_worker_id() -> str:
@@ -51,6 +73,10 @@ class RunnerConfig:
     claim_batch: int = 10
     reclaim_every: timedelta = timedelta(seconds=1)
     report_every: timedelta = timedelta(seconds=5)
+    # How long model work may wait in waiting_capability for its tier before it expires.
+    capability_wait: timedelta = timedelta(hours=1)
+    # Kept free at the end of a stage for writing its result: a model call must end earlier.
+    persist_margin: timedelta = timedelta(seconds=2)
 
     @property
     def heartbeat_every(self) -> timedelta:
@@ -72,6 +98,7 @@ class _Attempt:
     message: Message
     context: StageContext
     cancelled: asyncio.Event
+    tier: Tier | None = None  # the tier its stage's model work is counted against
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     hard_cancel_at: float | None = None
@@ -97,6 +124,8 @@ class RunnerStats:
     last_missed_wakeup_at: datetime | None = None
     wakeups_rung: int = 0
     polls: int = 0
+    parked: int = 0
+    resumed: int = 0
 
 
 class Runner:
@@ -112,8 +141,10 @@ class Runner:
         retry: RetryPolicy | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         rng: random.Random | None = None,
+        inference: InferenceService | None = None,
     ) -> None:
         self.store = store
+        self.inference = inference
         self.registry = registry
         self.config = config or RunnerConfig()
         self.doorbell = doorbell
@@ -140,7 +171,11 @@ class Runner:
         self._stopping = False
         self._next_local_wake: float | None = None
         self._last_reclaim = 0.0
+        self._resume_task: asyncio.Task[None] | None = None
+        self._resume_again = False
         self.started_at = self.clock()
+        if inference is not None:
+            inference.subscribe(self._inference_changed)
 
     # -- the main loop ------------------------------------------------------------------------
 
@@ -160,6 +195,7 @@ class Runner:
         try:
             # After every (re)start: sweep for work first, then wait. A sweep is not a poll: work
             # found now was not missed by the doorbell.
+            await self._resume_waiting()
             self._wake.set()
             while not stop.is_set():
                 polled = await self._wait_for_reason()
@@ -250,6 +286,10 @@ class Runner:
             if free <= 0 or lane not in self._maybe:
                 continue
             asked = min(free, self.config.claim_batch)
+            blocked, model_room = self._model_room()
+            if model_room is not None:
+                # A claim may return model work of any open tier: never more than it can queue.
+                asked = max(1, min(asked, model_room))
             hints = self._hints[lane]
             try:
                 messages = await self.store.claim_lane(
@@ -259,6 +299,7 @@ class Runner:
                     lease=self.config.lease,
                     tenant_limit=self.config.tenant_limit,
                     now=None,
+                    blocked_tiers=blocked,
                 )
             except Exception:
                 log.exception("claim failed; retrying on the next wake-up")
@@ -276,6 +317,33 @@ class Runner:
                     self.stats.last_missed_wakeup_at = self.clock()
         self.stats.claimed += total
         return total
+
+    def _model_room(self) -> tuple[list[Tier], int | None]:
+        """Tiers whose model work must not be claimed now (no room), and the least room left
+        among the others (None when no tier limits the claim).
+
+        A runner without a pool blocks every tier: it leaves model work to runners that have
+        one. A tier that is down is not blocked: its work is claimed and parked in
+        waiting_capability, where it is visible, instead of sitting pending.
+        """
+        if self.inference is None:
+            return list(TIER_ORDER), None
+        available = self.inference.available()
+        blocked: list[Tier] = []
+        rooms: list[int] = []
+        for need in TIER_ORDER:
+            found = route(_KIND_OF[need], available)
+            if found is None:
+                continue
+            room = self.inference.capacity(found.tier) - self._model_attempts(found.tier)
+            if room <= 0:
+                blocked.append(need)
+            else:
+                rooms.append(room)
+        return blocked, (min(rooms) if rooms else None)
+
+    def _model_attempts(self, tier: Tier) -> int:
+        return sum(1 for a in self._attempts.values() if a.tier is tier and not a.slot_free)
 
     def _hint(self, *lanes: Lane) -> None:
         """These lanes may hold claimable work: ask them at the next fill."""
@@ -296,10 +364,24 @@ class Runner:
     def _start(self, message: Message) -> None:
         self.slots.take(message.lane)
         cancelled = asyncio.Event()
+        attempt_ref: list[_Attempt] = []
+
+        async def inferrer(request: InferenceRequest) -> InferenceResult:
+            return await self._infer(attempt_ref[0], request)
+
         context = StageContext(
-            message, deadline=self._deadline_of(message), cancelled=cancelled, clock=self.clock
+            message,
+            deadline=self._deadline_of(message),
+            cancelled=cancelled,
+            clock=self.clock,
+            inferrer=inferrer if self.inference is not None else None,
         )
         attempt = _Attempt(message=message, context=context, cancelled=cancelled)
+        attempt_ref.append(attempt)
+        stage = self.registry.stage(message.pipeline, message.stage)
+        if stage is not None and stage.tier is not None and self.inference is not None:
+            found = route(stage.task_kind, self.inference.available())
+            attempt.tier = found.tier if found is not None else None
         self._attempts[message.id] = attempt
         attempt.task = asyncio.create_task(self._execute(attempt), name=f"message-{message.id}")
 
@@ -313,6 +395,9 @@ class Runner:
                 await self._fail(
                     attempt, f"no handler registered for {message.pipeline}.{message.stage}"
                 )
+                return
+            if stage.tier is not None and self._route_stage(stage) is None:
+                await self._park(attempt, stage.task_kind, stage.tier)
                 return
             deadline = attempt.context.deadline
             timeout = None
@@ -346,12 +431,143 @@ class Runner:
             # Cancelled by us: the message was cancelled, its lease lost, or we are stopping.
             # There is nothing to write: the store already knows, or the drain releases it.
             return
+        except CapabilityUnavailable as exc:
+            # No tier allowed to do this work is up: it waits, visibly, and is never sent to a
+            # weaker model. Not a failure: the attempt is not counted.
+            await self._park(attempt, exc.kind, exc.tier)
         except Exception as exc:
             log.warning("handler %s.%s failed: %r", message.pipeline, message.stage, exc)
             await self._fail(attempt, f"{type(exc).__name__}: {exc}")
         finally:
             if not attempt.acked:
                 self._finish(attempt)
+
+    # -- model work ----------------------------------------------------------------------------
+
+    def _route_stage(self, stage: Stage) -> Route | None:
+        if self.inference is None:
+            return None
+        return route(stage.task_kind, self.inference.available())
+
+    async def _infer(self, attempt: _Attempt, request: InferenceRequest) -> InferenceResult:
+        """One model call of a handler: routed, bounded by the stage, recorded on the message."""
+        assert self.inference is not None
+        message = attempt.message
+        found = route(request.kind, self.inference.available())
+        if found is None:
+            raise CapabilityUnavailable(request.kind, min_tier(request.kind))
+        control = CallControl(cancel=attempt.cancelled)
+        deadline = attempt.context.deadline
+        if deadline is not None:
+            # The stage bounds the call, leaving room to persist the result.
+            left = (deadline - self.clock() - self.config.persist_margin).total_seconds()
+            if left <= 0:
+                raise DeadlineExceeded("no time left in the stage for a model call")
+            control.start_deadline = time.monotonic() + left
+            control.timeout = left
+        status, error, result = "ok", None, None
+        try:
+            result = await self.inference.infer(request, found.tier, control)
+            return dataclasses.replace(result, route=found)
+        except CallCancelled as exc:
+            status, error = "cancelled", str(exc)
+            raise
+        except DeadlineExceeded as exc:
+            status, error = "refused", str(exc)
+            raise
+        except CapabilityUnavailable as exc:
+            status, error = "refused", str(exc)
+            raise
+        except OutputInvalid as exc:
+            status, error = "invalid_output", str(exc)
+            raise
+        except Exception as exc:
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            record = CallRecord(
+                message_id=message.id,
+                tenant=message.tenant,
+                pipeline=message.pipeline,
+                stage=message.stage,
+                kind=request.kind,
+                tier=found.tier,
+                min_tier=found.min_tier,
+                route_reason=found.reason,
+                model=result.model if result else self._model_of(found.tier),
+                model_sha256=result.model_sha256 if result else self._sha_of(found.tier),
+                status=status,
+                error=error,
+                prompt_tokens=result.prompt_tokens if result else 0,
+                completion_tokens=result.completion_tokens if result else 0,
+                queue_seconds=result.queue_seconds if result else 0.0,
+                ttft_seconds=result.ttft_seconds if result else 0.0,
+                total_seconds=result.total_seconds if result else 0.0,
+            )
+            try:
+                await self.store.record_call(record)
+            except Exception:
+                log.exception("could not record a model call of message %s", message.id)
+
+    def _model_of(self, tier: Tier) -> str:
+        assert self.inference is not None
+        return str(self.inference.stats().get(tier.value, {}).get("model", "?"))
+
+    def _sha_of(self, tier: Tier) -> str:
+        assert self.inference is not None
+        return str(self.inference.stats().get(tier.value, {}).get("sha256", "?"))
+
+    async def _park(self, attempt: _Attempt, kind: str, tier: Tier) -> None:
+        now = self.clock()
+        expires = now + self.config.capability_wait
+        try:
+            parked = await self.store.wait_capability(
+                attempt.lease,
+                tier=tier,
+                expires_at=expires,
+                reason=f"waiting_capability: no {tier.value} model up for {kind!r} "
+                f"(never downgraded; waits until {expires.isoformat(timespec='seconds')})",
+                actor=self.config.worker_id,
+                now=None,
+            )
+        except Exception:
+            log.exception("could not park message %s; its lease will lapse", attempt.message.id)
+            return
+        if parked:
+            self.stats.parked += 1
+            # The tier may have come back while we parked: look again.
+            if self.inference is not None and tier in resumable(self.inference.available()):
+                self._inference_changed()
+
+    def _inference_changed(self) -> None:
+        """The pool's availability or room changed: resume waiting work, ask every lane."""
+        self._hint(*Lane)
+        self._wake.set()
+        if self._resume_task is None or self._resume_task.done():
+            self._resume_task = asyncio.get_running_loop().create_task(
+                self._resume_waiting(), name="resume-capability"
+            )
+        else:
+            self._resume_again = True
+
+    async def _resume_waiting(self) -> None:
+        if self.inference is None:
+            return
+        while True:
+            self._resume_again = False
+            tiers = sorted(resumable(self.inference.available()), key=lambda t: t.rank)
+            if tiers:
+                try:
+                    n = await self.store.resume_capability(
+                        tiers, actor=self.config.worker_id, batch=500, now=None
+                    )
+                    if n:
+                        self.stats.resumed += n
+                        log.info("resumed %d messages waiting for %s", n, tiers)
+                except Exception:
+                    log.exception("could not resume messages waiting for a model tier")
+            if not self._resume_again:
+                return
 
     async def _overran(self, attempt: _Attempt) -> None:
         message = attempt.message
@@ -535,6 +751,9 @@ class Runner:
                 "abandoned": self.stats.abandoned,
                 "wakeups_rung": self.stats.wakeups_rung,
                 "polls": self.stats.polls,
+                "parked": self.stats.parked,
+                "resumed": self.stats.resumed,
+                "inference": self.inference.stats() if self.inference is not None else None,
             },
         }
 
@@ -543,6 +762,9 @@ class Runner:
             await asyncio.sleep(self.config.report_every.total_seconds())
             try:
                 await self.store.report_runner(self._info())
+                # Work parked by any runner resumes here too once a tier it waits for is up.
+                if self.inference is not None:
+                    await self._resume_waiting()
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -20,6 +20,7 @@ from appliance.domain.envelope import (
     MessageStatus,
 )
 from appliance.domain.errors import InvalidInput, UnknownTenant
+from appliance.domain.inference import Tier
 from appliance.domain.ports import (
     AckOutcome,
     BusStatus,
@@ -216,8 +217,10 @@ class PgMessageStore:
         now: datetime | None = None,
         tenant: str | None = None,
         max_runtime: timedelta = DEFAULT_MAX_RUNTIME,
+        blocked_tiers: Sequence[Tier] = (),
     ) -> list[Message]:
-        """Lease up to `limit` messages of one lane, fairly across tenants."""
+        """Lease up to `limit` messages of one lane, fairly across tenants; stages whose model
+        tier is in `blocked_tiers` (no room in the caller's pool) are left for later."""
         if limit <= 0:
             return []
         params = {
@@ -228,6 +231,7 @@ class PgMessageStore:
             "tenant_limit": tenant_limit,
             "tenant": tenant,
             "max_runtime": max_runtime,
+            "blocked_tiers": [t.value for t in blocked_tiers],
             "now": now,
         }
         async with self.db.system_tx(durable=False) as conn:
@@ -400,6 +404,20 @@ class PgMessageStore:
         """The transition log of one message, as the tenant sees it."""
         async with self.db.tenant_tx(tenant) as conn:
             cur = await conn.execute(q("message_transitions"), {"id": message_id})
+            return list(await cur.fetchall())
+
+    async def stage_outputs(
+        self, tenant: str, *, pipeline: str, stage: str, source: str, source_ids: Sequence[str]
+    ) -> list[dict[str, Any]]:
+        """Where each work item stands at one stage: status and result, as the tenant sees it."""
+        params = {
+            "pipeline": pipeline,
+            "stage": stage,
+            "source": source,
+            "source_ids": list(source_ids),
+        }
+        async with self.db.tenant_tx(tenant) as conn:
+            cur = await conn.execute(q("stage_outputs"), params)
             return list(await cur.fetchall())
 
     async def status(self, *, now: datetime | None = None) -> BusStatus:

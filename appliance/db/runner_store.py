@@ -14,6 +14,7 @@ from psycopg.types.json import Jsonb
 from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore
 from appliance.db.queries import q
 from appliance.domain.envelope import LeaseRef
+from appliance.domain.inference import CallRecord, Tier
 from appliance.domain.pipeline import Pipeline
 from appliance.domain.ports import BusStatus, RunnerInfo
 
@@ -56,6 +57,81 @@ class PgRunnerStore(PgMessageStore):
         async with self.db.system_conn() as conn:
             row = await (await conn.execute(q("message_expire_running"), params)).fetchone()
         return row is not None
+
+    async def wait_capability(
+        self,
+        lease: LeaseRef,
+        *,
+        tier: Tier,
+        expires_at: datetime,
+        reason: str,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> bool:
+        """Park a running attempt until a tier at or above `tier` is up (fenced by the lease)."""
+        params = {
+            "id": lease.message_id,
+            "token": lease.lease_token,
+            "tier": tier.value,
+            "expires_at": expires_at,
+            "reason": reason,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_wait_capability"), params)).fetchone()
+        return row is not None
+
+    async def resume_capability(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        actor: str = SYSTEM_ACTOR,
+        batch: int = 500,
+        now: datetime | None = None,
+    ) -> int:
+        """Send messages waiting for any of `tiers` back to pending; how many (all batches)."""
+        if not tiers:
+            return 0
+        params = {"tiers": [t.value for t in tiers], "actor": actor, "batch": batch, "now": now}
+        total = 0
+        while True:
+            async with self.db.system_conn() as conn:
+                rows = await (await conn.execute(q("message_resume_capability"), params)).fetchall()
+            total += len(rows)
+            if len(rows) < batch:
+                return total
+
+    async def record_call(self, record: CallRecord) -> None:
+        """Store one model call against its message."""
+        params = {
+            "tenant": record.tenant,
+            "message_id": record.message_id,
+            "pipeline": record.pipeline,
+            "stage": record.stage,
+            "kind": record.kind,
+            "tier": record.tier.value,
+            "min_tier": record.min_tier.value,
+            "route_reason": record.route_reason,
+            "model": record.model,
+            "model_sha256": record.model_sha256,
+            "status": record.status,
+            "error": record.error,
+            "prompt_tokens": record.prompt_tokens,
+            "completion_tokens": record.completion_tokens,
+            "queue_seconds": record.queue_seconds,
+            "ttft_seconds": record.ttft_seconds,
+            "total_seconds": record.total_seconds,
+            "at": record.at,
+        }
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("inference_call_insert"), params)
+
+    async def calls_of(self, message_id: int) -> list[dict[str, Any]]:
+        """The model calls recorded against a message, oldest first."""
+        async with self.db.system_conn() as conn:
+            cur = await conn.execute(q("inference_calls_of_message"), {"message_id": message_id})
+            return list(await cur.fetchall())
 
     async def archive(
         self, *, retention: timedelta, batch: int = 1000, now: datetime | None = None

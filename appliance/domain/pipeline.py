@@ -8,13 +8,25 @@ writes into `pipeline_stages` / `stage_routes`, so the two cannot drift.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from appliance.domain.envelope import NAME_RE, JSONValue, Lane, Message
 from appliance.domain.errors import ConfigurationError
+from appliance.domain.inference import (
+    ChatMessage,
+    InferenceRequest,
+    InferenceResult,
+    OutputInvalid,
+    Tier,
+    as_messages,
+    min_tier,
+)
 
 DEFAULT_OUTCOME = "ok"
 
@@ -27,8 +39,11 @@ class StageResult:
     outcome: str = DEFAULT_OUTCOME
 
 
+Inferrer = Callable[[InferenceRequest], Awaitable[InferenceResult]]
+
+
 class StageContext:
-    """What a handler sees: its message, tenant, cancellation, deadline, and how to finish."""
+    """What a handler sees: its message, tenant, cancellation, deadline, models, how to finish."""
 
     def __init__(
         self,
@@ -37,13 +52,54 @@ class StageContext:
         deadline: datetime | None,
         cancelled: asyncio.Event,
         clock: Callable[[], datetime],
+        inferrer: Inferrer | None = None,
     ) -> None:
         self.message = message
         self.tenant = message.tenant
         self.deadline = deadline
         self._cancelled = cancelled
         self._clock = clock
+        self._inferrer = inferrer
         self.cancel_reason: str | None = None
+
+    async def infer(
+        self,
+        kind: str,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str] | ChatMessage] = (),
+        schema: type[BaseModel] | Mapping[str, Any] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        stop: Sequence[str] = (),
+    ) -> InferenceResult:
+        """Ask a model: the runner routes `kind` to a tier (never a weaker one than the kind
+        needs), bounds the call by this stage's deadline and cancellation, and records it.
+
+        With `schema` (a pydantic model or a JSON schema), the output is constrained by a grammar
+        and parsed: `result.data` holds the parsed value, and output that does not parse raises
+        OutputInvalid. Model output is data: nothing it says changes the message by itself.
+        """
+        if self._inferrer is None:
+            raise ConfigurationError("this runner has no inference pool (inference.enabled)")
+        json_schema: Mapping[str, Any] | None
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            json_schema = schema.model_json_schema()
+        else:
+            json_schema = schema
+        request = InferenceRequest(
+            kind=kind,
+            prompt=prompt,
+            messages=as_messages(messages),
+            json_schema=json_schema,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stop=tuple(stop),
+        )
+        result = await self._inferrer(request)
+        if schema is None:
+            return result
+        return replace(result, data=parse_output(result.text, schema))
 
     @property
     def cancelled(self) -> bool:
@@ -67,6 +123,16 @@ class StageContext:
         return StageResult(result, outcome)
 
 
+def parse_output(text: str, schema: type[BaseModel] | Mapping[str, Any]) -> Any:
+    """Model output parsed into the expected shape, or OutputInvalid naming what is wrong."""
+    try:
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            return schema.model_validate_json(text)
+        return json.loads(text)
+    except (ValidationError, ValueError) as exc:
+        raise OutputInvalid(f"model output does not match the schema: {exc}") from exc
+
+
 Handler = Callable[[StageContext], Awaitable[StageResult]]
 
 
@@ -82,6 +148,14 @@ class Stage:
     next: Mapping[str, str] = field(default_factory=dict)
     max_runtime: timedelta = timedelta(minutes=10)
     max_attempts: int = 5
+    # The stage calls a model (ctx.infer) for its task kind: the runner claims it only when the
+    # tier that kind needs has room, and parks it in waiting_capability while no such tier is up.
+    uses_model: bool = False
+
+    @property
+    def tier(self) -> Tier | None:
+        """The weakest tier this stage's model work may run on (None: no model work)."""
+        return min_tier(self.task_kind) if self.uses_model else None
 
 
 @dataclass(frozen=True)
@@ -131,6 +205,7 @@ class Pipeline:
                 "stage": s.name,
                 "lane": s.lane.value,
                 "task_kind": s.task_kind,
+                "tier": s.tier.value if s.tier is not None else None,
                 "handler": f"{getattr(s.handler, '__module__', '?')}."
                 f"{getattr(s.handler, '__qualname__', repr(s.handler))}",
                 "directive": s.directive or f"{self.name}: {s.name}",

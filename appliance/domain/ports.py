@@ -17,6 +17,7 @@ from appliance.domain.envelope import (
     Message,
     MessageStatus,
 )
+from appliance.domain.inference import CallRecord, Tier
 
 
 class AckOutcome(StrEnum):
@@ -178,6 +179,7 @@ class RunnerStore(MessageStore, Protocol):
         lease: timedelta,
         tenant_limit: int,
         now: datetime | None,
+        blocked_tiers: Sequence[Tier] = (),
     ) -> list[Message]: ...
 
     async def heartbeat_many(
@@ -191,6 +193,23 @@ class RunnerStore(MessageStore, Protocol):
     async def release(
         self, leases: Sequence[LeaseRef], *, actor: str, now: datetime | None
     ) -> int: ...
+
+    async def wait_capability(
+        self,
+        lease: LeaseRef,
+        *,
+        tier: Tier,
+        expires_at: datetime,
+        reason: str,
+        actor: str,
+        now: datetime | None,
+    ) -> bool: ...
+
+    async def resume_capability(
+        self, tiers: Sequence[Tier], *, actor: str, batch: int, now: datetime | None
+    ) -> int: ...
+
+    async def record_call(self, record: CallRecord) -> None: ...
 
     async def register_runner(self, info: dict[str, Any]) -> None: ...
 

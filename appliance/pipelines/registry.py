@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from appliance.domain.pipeline import Pipeline, Registry
 from appliance.pipelines.demo import DEMO
+from appliance.pipelines.support import SUPPORT
 
-BUILT_IN: dict[str, Pipeline] = {DEMO.name: DEMO}
+BUILT_IN: dict[str, Pipeline] = {DEMO.name: DEMO, SUPPORT.name: SUPPORT}
 
 
 def registry(names: list[str] | None = None) -> Registry:

@@ -99,3 +99,10 @@ ensure_postgres() {
     exit 1
   fi
 }
+
+# The pinned models of models.lock, fetched once into the model cache outside the repo (keyed by
+# sha256) and verified; a second run only re-hashes the cached files.
+ensure_models() {
+  export APPLIANCE_MODEL_CACHE="${APPLIANCE_MODEL_CACHE:-$CACHE/models}"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/appliance" models fetch --all
+}

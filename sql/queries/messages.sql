@@ -184,3 +184,11 @@ SELECT m.lane, m.status, count(*) AS n,
                - min(m.claimed_at) FILTER (WHERE m.status = 'running')) AS oldest_lease_s
 FROM agent_messages m
 GROUP BY m.lane, m.status;
+
+-- name: stage_outputs :many
+-- The latest message of each work item (source, source id) at one stage of a pipeline, with its status and result (row-level security limits it to the transaction's tenant).
+SELECT DISTINCT ON (m.source_id) m.id, m.source_id, m.status, m.result, m.error
+FROM agent_messages m
+WHERE m.pipeline = %(pipeline)s AND m.stage = %(stage)s AND m.source = %(source)s
+  AND m.source_id = ANY(%(source_ids)s::text[])
+ORDER BY m.source_id, m.id DESC;

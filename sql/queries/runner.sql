@@ -36,6 +36,11 @@ picked AS MATERIALIZED (
             WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = s.tenant
               AND m.not_before <= coalesce(%(now)s::timestamptz, now())
               AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
+              -- Backpressure: stages whose model tier has no room in this runner's pool wait.
+              AND (cardinality(%(blocked_tiers)s::text[]) = 0 OR NOT EXISTS (
+                  SELECT FROM pipeline_stages b
+                  WHERE b.pipeline = m.pipeline AND b.stage = m.stage
+                    AND b.tier = ANY(%(blocked_tiers)s::text[])))
             ORDER BY m.priority DESC, m.not_before, m.id
             LIMIT s.share
             FOR UPDATE OF m SKIP LOCKED
@@ -155,11 +160,13 @@ SELECT archive_messages(
 -- name: pipeline_stage_upsert :exec
 -- Write one declared stage (the runner syncs its pipelines' graphs on start).
 INSERT INTO pipeline_stages
-    (pipeline, stage, lane, task_kind, handler, directive, max_runtime, max_attempts, updated_at)
-VALUES (%(pipeline)s, %(stage)s, %(lane)s::lane, %(task_kind)s, %(handler)s, %(directive)s,
-        %(max_runtime)s, %(max_attempts)s, now())
+    (pipeline, stage, lane, task_kind, tier, handler, directive, max_runtime, max_attempts,
+     updated_at)
+VALUES (%(pipeline)s, %(stage)s, %(lane)s::lane, %(task_kind)s, %(tier)s, %(handler)s,
+        %(directive)s, %(max_runtime)s, %(max_attempts)s, now())
 ON CONFLICT (pipeline, stage) DO UPDATE
-SET lane = excluded.lane, task_kind = excluded.task_kind, handler = excluded.handler,
+SET lane = excluded.lane, task_kind = excluded.task_kind, tier = excluded.tier,
+    handler = excluded.handler,
     directive = excluded.directive, max_runtime = excluded.max_runtime,
     max_attempts = excluded.max_attempts, updated_at = excluded.updated_at;
 
@@ -221,3 +228,58 @@ SELECT
 SELECT pipeline, stage, status, count(*) AS n
 FROM agent_messages
 GROUP BY pipeline, stage, status;
+
+-- name: message_wait_capability :one
+-- Park a running attempt in waiting_capability (no tier allowed to serve it is up): the attempt is not counted, and the wait ends by `expires_at` at the latest.
+UPDATE agent_messages m
+SET status = 'waiting_capability',
+    waiting_for = %(tier)s,
+    attempts = greatest(m.attempts - 1, 0),
+    deadline = least(m.deadline, %(expires_at)s::timestamptz),
+    lease_expires_at = NULL,
+    lease_token = NULL,
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+RETURNING m.id;
+
+-- name: message_resume_capability :many
+-- Messages waiting for any of `tiers` go back to pending (the update trigger rings the doorbell); a bounded batch.
+WITH ready AS (
+    SELECT m.id
+    FROM agent_messages m
+    WHERE m.status = 'waiting_capability' AND m.waiting_for = ANY(%(tiers)s::text[])
+    ORDER BY m.id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE agent_messages m
+SET status = 'pending',
+    waiting_for = NULL,
+    not_before = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = 'capability_available: ' || m.waiting_for,
+    status_actor = %(actor)s
+FROM ready
+WHERE m.id = ready.id
+RETURNING m.id;
+
+-- name: inference_call_insert :exec
+-- Record one model call against its message.
+INSERT INTO inference_calls
+    (tenant, message_id, pipeline, stage, kind, tier, min_tier, route_reason, model, model_sha256,
+     status, error, prompt_tokens, completion_tokens, queue_seconds, ttft_seconds, total_seconds,
+     at)
+VALUES (%(tenant)s, %(message_id)s, %(pipeline)s, %(stage)s, %(kind)s, %(tier)s, %(min_tier)s,
+        %(route_reason)s, %(model)s, %(model_sha256)s, %(status)s, %(error)s, %(prompt_tokens)s,
+        %(completion_tokens)s, %(queue_seconds)s, %(ttft_seconds)s, %(total_seconds)s,
+        coalesce(%(at)s::timestamptz, now()));
+
+-- name: inference_calls_of_message :many
+-- The model calls of one message, oldest first.
+SELECT kind, tier, min_tier, route_reason, model, model_sha256, status, error, prompt_tokens,
+       completion_tokens, queue_seconds, ttft_seconds, total_seconds, at
+FROM inference_calls
+WHERE message_id = %(message_id)s
+ORDER BY id;

@@ -1,0 +1,633 @@
+"""The in-process llama.cpp pool: per tier, worker threads that each own one `Llama` instance.
+
+A `Llama` is not thread-safe, so each worker builds its own instance in its own thread and is
+the only thread that ever touches it; ctypes releases the GIL inside llama.cpp, so workers run
+truly in parallel. Each tier has a bounded queue: a request is refused when the queue is full,
+refused (never run late) when it cannot start before its deadline, and stopped between tokens
+when cancelled or out of time. A failed call fails that request alone and the worker rebuilds
+its instance; the pool goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from llama_cpp.llama_grammar import LlamaGrammar
+
+from appliance.domain.errors import ConfigurationError
+from appliance.domain.inference import (
+    CallCancelled,
+    CallControl,
+    CapabilityUnavailable,
+    DeadlineExceeded,
+    InferenceError,
+    InferenceRequest,
+    InferenceResult,
+    QueueFull,
+    Tier,
+)
+
+log = logging.getLogger("appliance.inference")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier's model file and how many workers serve it, with what resources."""
+
+    tier: Tier
+    model: str
+    sha256: str
+    path: Path
+    chat_format: str
+    context_length: int
+    workers: int = 1
+    n_ctx: int = 2048
+    n_threads: int | None = None  # None: the cores split evenly over every worker of the pool
+    n_gpu_layers: int = 0
+    queue: int = 8
+
+
+def gpu_offload_supported() -> bool:
+    """True when this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...)."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+class _Stop(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@dataclass(eq=False)
+class _Job:
+    request: InferenceRequest
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[InferenceResult]
+    enqueued: float
+    start_deadline: float | None
+    timeout: float | None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def resolve(self, value: InferenceResult | BaseException) -> None:
+        def apply() -> None:
+            if self.future.done():
+                return
+            if isinstance(value, BaseException):
+                self.future.set_exception(value)
+            else:
+                self.future.set_result(value)
+
+        # A closed loop means nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(apply)
+
+
+@dataclass
+class TierStats:
+    """Counters named as llama.cpp's server names them, plus the pool's own."""
+
+    requests_total: int = 0
+    requests_failed: int = 0
+    requests_refused: int = 0
+    requests_cancelled: int = 0
+    prompt_tokens_total: int = 0
+    tokens_predicted_total: int = 0
+    prompt_seconds_total: float = 0.0
+    tokens_predicted_seconds_total: float = 0.0
+    ttft_seconds_last: float = 0.0
+    rebuilds: int = 0
+
+
+@dataclass(frozen=True)
+class CallSpan:
+    """Which instance ran a call, on which thread, when (kept for audits and tests)."""
+
+    worker: str
+    instance: int
+    thread: int
+    start: float
+    end: float
+
+
+class _Worker(threading.Thread):
+    def __init__(self, tier: TierPool, index: int, n_threads: int, n_gpu_layers: int) -> None:
+        super().__init__(name=f"llama-{tier.spec.tier.value}-{index}", daemon=True)
+        self.tier = tier
+        self.n_threads = n_threads
+        self.n_gpu_layers = n_gpu_layers
+        self.llama: llama_cpp.Llama | None = None
+        self.ready = threading.Event()
+        self.alive = False
+        self.busy = False
+        self.load_error: str | None = None
+        self._guard = threading.Lock()
+
+    def _build(self) -> None:
+        spec = self.tier.spec
+        self.llama = llama_cpp.Llama(
+            model_path=str(spec.path),
+            n_ctx=min(spec.n_ctx, spec.context_length),
+            n_threads=self.n_threads,
+            n_threads_batch=self.n_threads,
+            n_gpu_layers=self.n_gpu_layers,
+            chat_format=spec.chat_format,
+            seed=0,
+            verbose=False,
+        )
+
+    def _drop(self) -> None:
+        if self.llama is not None:
+            try:
+                self.llama.close()
+            except Exception:
+                log.exception("%s: closing the model failed", self.name)
+            self.llama = None
+
+    def run(self) -> None:
+        try:
+            self._build()
+            self.alive = True
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("%s: cannot load %s: %s", self.name, self.tier.spec.model, exc)
+        finally:
+            self.ready.set()
+            self.tier.changed()
+        try:
+            while self.alive:
+                job = self.tier.take(self)
+                if job is None:
+                    break
+                self._serve(job)
+        finally:
+            self.alive = False
+            self._drop()
+            self.tier.changed()
+
+    def _serve(self, job: _Job) -> None:
+        try:
+            self._serve_one(job)
+        finally:
+            self.busy = False
+            self.tier.changed()
+
+    def _serve_one(self, job: _Job) -> None:
+        tier = self.tier
+        started = time.monotonic()
+        if job.cancel.is_set():
+            tier.count(requests_cancelled=1)
+            job.resolve(CallCancelled("cancelled before it started"))
+            return
+        if job.start_deadline is not None and started > job.start_deadline:
+            tier.count(requests_refused=1)
+            job.resolve(
+                DeadlineExceeded(
+                    f"refused: could not start before its deadline "
+                    f"(queued {started - job.enqueued:.3f} s)"
+                )
+            )
+            return
+        try:
+            result = self._call(job, started)
+        except _Stop as stop:
+            self._after_stop()
+            if stop.why == "cancelled":
+                tier.count(requests_cancelled=1)
+                job.resolve(CallCancelled("cancelled; generation stopped between tokens"))
+            else:
+                tier.count(requests_refused=1)
+                job.resolve(DeadlineExceeded("the call ran out of time; generation stopped"))
+        except Exception as exc:
+            tier.count(requests_failed=1)
+            log.warning("%s: call failed (%s); rebuilding the worker", self.name, exc)
+            job.resolve(InferenceError(f"{tier.spec.model}: {type(exc).__name__}: {exc}"))
+            self._rebuild()
+        else:
+            job.resolve(result)
+
+    def _after_stop(self) -> None:
+        # Generation was interrupted mid-way: forget the evaluated tokens, so the next call
+        # cannot reuse a half-written state.
+        if self.llama is not None:
+            self.llama.reset()  # type: ignore[no-untyped-call]
+
+    def _rebuild(self) -> None:
+        self._drop()
+        try:
+            self._build()
+            self.tier.count(rebuilds=1)
+        except Exception as exc:
+            self.alive = False
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("%s: rebuild failed, worker stops: %s", self.name, exc)
+
+    def _call(self, job: _Job, started: float) -> InferenceResult:
+        spec = self.tier.spec
+        request = job.request
+        llama = self.llama
+        assert llama is not None
+        if not self._guard.acquire(blocking=False):
+            raise RuntimeError(f"{self.name}: instance already in use (pool bug)")
+        first: float | None = None
+        stop_at = started + job.timeout if job.timeout is not None else None
+        try:
+
+            def between_tokens(_ids: Any, scores: Any) -> Any:
+                # Called once per sampled token, after the prompt is evaluated.
+                nonlocal first
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                if job.cancel.is_set():
+                    raise _Stop("cancelled")
+                if stop_at is not None and now > stop_at:
+                    raise _Stop("timeout")
+                return scores
+
+            processors = llama_cpp.LogitsProcessorList([between_tokens])
+            schema = dict(request.json_schema) if request.json_schema is not None else None
+            if request.messages:
+                response: Any = llama.create_chat_completion(
+                    messages=[{"role": m.role, "content": m.content} for m in request.messages],  # type: ignore[misc]
+                    response_format=(
+                        {"type": "json_object", "schema": schema} if schema is not None else None
+                    ),
+                    max_tokens=request.max_tokens,
+                    temperature=request.temperature,
+                    seed=request.seed,
+                    stop=list(request.stop),
+                    logits_processor=processors,
+                )
+                text = response["choices"][0]["message"]["content"] or ""
+            else:
+                grammar = (
+                    LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+                    if schema is not None
+                    else None
+                )
+                response = llama.create_completion(
+                    prompt=request.prompt or "",
+                    grammar=grammar,
+                    max_tokens=request.max_tokens,
+                    temperature=request.temperature,
+                    seed=request.seed,
+                    stop=list(request.stop),
+                    logits_processor=processors,
+                )
+                text = response["choices"][0]["text"]
+            ended = time.monotonic()
+        finally:
+            self._guard.release()
+            self.tier.span(
+                CallSpan(self.name, id(llama), threading.get_ident(), started, time.monotonic())
+            )
+        usage = response.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens", 0))
+        completion_tokens = int(usage.get("completion_tokens", 0))
+        ttft = (first if first is not None else ended) - started
+        self.tier.count(
+            requests_total=1,
+            prompt_tokens_total=prompt_tokens,
+            tokens_predicted_total=completion_tokens,
+            prompt_seconds_total=ttft,
+            tokens_predicted_seconds_total=ended - (first if first is not None else ended),
+            ttft_seconds_last=ttft,
+        )
+        return InferenceResult(
+            text=text,
+            model=spec.model,
+            model_sha256=spec.sha256,
+            tier=spec.tier,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            finish_reason=str(response["choices"][0].get("finish_reason") or ""),
+            queue_seconds=started - job.enqueued,
+            ttft_seconds=ttft,
+            total_seconds=ended - started,
+            worker=self.name,
+        )
+
+
+class TierPool:
+    """One tier: its workers, its bounded queue and its counters."""
+
+    def __init__(self, spec: TierSpec, n_threads: int, on_change: Callable[[], None]) -> None:
+        self.spec = spec
+        self.n_threads = n_threads
+        self.stats = TierStats()
+        self.spans: collections.deque[CallSpan] = collections.deque(maxlen=1000)
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._on_change = on_change
+        gpu = spec.n_gpu_layers if gpu_offload_supported() else 0
+        if spec.n_gpu_layers and not gpu:
+            log.warning(
+                "%s: n_gpu_layers=%d asked, but this llama.cpp build has no GPU backend; "
+                "running on the CPU",
+                spec.tier.value,
+                spec.n_gpu_layers,
+            )
+        self.n_gpu_layers = gpu
+        self.workers = [_Worker(self, i, n_threads, gpu) for i in range(spec.workers)]
+
+    def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> None:
+        for worker in self.workers:
+            worker.ready.wait(timeout)
+
+    @property
+    def alive(self) -> int:
+        return sum(1 for w in self.workers if w.alive)
+
+    def room(self) -> int:
+        with self._cond:
+            alive = self.alive
+            if self._closed or alive == 0:
+                return 0
+            idle = sum(1 for w in self.workers if w.alive and not w.busy)
+            return max(0, idle - len(self._queue)) + max(
+                0, self.spec.queue - max(0, len(self._queue) - idle)
+            )
+
+    def submit(self, job: _Job) -> None:
+        with self._cond:
+            if self._closed or self.alive == 0:
+                raise CapabilityUnavailable(job.request.kind, self.spec.tier)
+            idle = sum(1 for w in self.workers if w.alive and not w.busy)
+            if len(self._queue) - idle >= self.spec.queue:
+                raise QueueFull(f"{self.spec.tier.value} queue is full ({self.spec.queue} waiting)")
+            self._queue.append(job)
+            self._cond.notify()
+
+    def take(self, worker: _Worker) -> _Job | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            worker.busy = True  # counted busy from the moment it holds a job
+            return self._queue.popleft()
+
+    def withdraw(self, job: _Job, error: BaseException) -> bool:
+        """Take a job back out of the queue (deadline passed, caller gone); True if it was there."""
+        with self._cond:
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                return False
+        job.resolve(error)
+        self.changed()
+        return True
+
+    def close(self) -> list[_Job]:
+        with self._cond:
+            self._closed = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        return left
+
+    def count(self, **deltas: float) -> None:
+        with self._cond:
+            for name, value in deltas.items():
+                if name == "ttft_seconds_last":
+                    self.stats.ttft_seconds_last = value
+                else:
+                    setattr(self.stats, name, getattr(self.stats, name) + value)
+
+    def span(self, span: CallSpan) -> None:
+        self.spans.append(span)
+
+    def changed(self) -> None:
+        self._on_change()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            s = self.stats
+            return {
+                "model": self.spec.model,
+                "sha256": self.spec.sha256,
+                "workers": len(self.workers),
+                "workers_alive": self.alive,
+                "busy_workers": sum(1 for w in self.workers if w.alive and w.busy),
+                "n_threads": self.n_threads,
+                "n_gpu_layers": self.n_gpu_layers,
+                "queue_limit": self.spec.queue,
+                "requests_processing": sum(1 for w in self.workers if w.busy),
+                "requests_deferred": len(self._queue),
+                "requests_total": s.requests_total,
+                "requests_failed": s.requests_failed,
+                "requests_refused": s.requests_refused,
+                "requests_cancelled": s.requests_cancelled,
+                "prompt_tokens_total": s.prompt_tokens_total,
+                "tokens_predicted_total": s.tokens_predicted_total,
+                "prompt_seconds_total": round(s.prompt_seconds_total, 6),
+                "tokens_predicted_seconds_total": round(s.tokens_predicted_seconds_total, 6),
+                "ttft_seconds_last": round(s.ttft_seconds_last, 6),
+                "rebuilds": s.rebuilds,
+                "load_errors": [w.load_error for w in self.workers if w.load_error],
+            }
+
+
+class InferencePool:
+    """Every tier's pool; implements the bus's InferenceService port."""
+
+    def __init__(self, specs: list[TierSpec], *, cores: int | None = None) -> None:
+        cores = cores or os.cpu_count() or 1
+        total = sum(s.workers for s in specs)
+        tiers = [s.tier for s in specs]
+        if len(set(tiers)) != len(tiers):
+            raise ConfigurationError("inference: a tier is configured twice")
+        auto = max(1, cores // max(total, 1))
+        threads = {s.tier: s.n_threads or auto for s in specs}
+        used = sum(threads[s.tier] * s.workers for s in specs)
+        if used > cores:
+            raise ConfigurationError(
+                f"inference: the workers' threads add up to {used}, more than the {cores} cores "
+                f"(lower inference.tiers.*.workers or n_threads)"
+            )
+        self._subscribers: list[Callable[[], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tiers: dict[Tier, TierPool] = {
+            s.tier: TierPool(s, threads[s.tier], self._changed) for s in specs
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, timeout: float = 300.0) -> None:
+        """Load every tier's workers (in their own threads) and wait until each is up or failed."""
+        self._loop = asyncio.get_running_loop()
+        for tier in self._tiers.values():
+            tier.start()
+        await asyncio.to_thread(self._wait_loaded, timeout)
+        for tier in self._tiers.values():
+            log.info(
+                "tier %s: %s, %d/%d workers up, %d threads each",
+                tier.spec.tier.value,
+                tier.spec.model,
+                tier.alive,
+                len(tier.workers),
+                tier.n_threads,
+            )
+
+    def _wait_loaded(self, timeout: float) -> None:
+        for tier in self._tiers.values():
+            tier.wait_loaded(timeout)
+
+    async def stop_tier(self, tier: Tier) -> None:
+        """Take a tier down (operators, tests): its queued requests fail, its models close."""
+        pool = self._tiers.pop(tier, None)
+        if pool is None:
+            return
+        await self._close_tier(pool)
+        self._changed()
+
+    async def start_tier(self, spec: TierSpec) -> None:
+        """Bring a tier up (again); its waiting work resumes once it is loaded."""
+        if spec.tier in self._tiers:
+            raise ConfigurationError(f"inference: tier {spec.tier.value} is already up")
+        threads = spec.n_threads or max(1, (os.cpu_count() or 1) // max(1, spec.workers))
+        pool = TierPool(spec, threads, self._changed)
+        self._tiers[spec.tier] = pool
+        pool.start()
+        await asyncio.to_thread(pool.wait_loaded, 300.0)
+        self._changed()
+
+    async def _close_tier(self, pool: TierPool) -> None:
+        for job in pool.close():
+            job.resolve(CapabilityUnavailable(job.request.kind, pool.spec.tier))
+
+        def join() -> None:
+            for worker in pool.workers:
+                worker.join(30.0)
+
+        await asyncio.to_thread(join)
+
+    async def close(self) -> None:
+        """Fail what is queued, let running calls finish, close every model."""
+        tiers, self._tiers = list(self._tiers.values()), {}
+        for pool in tiers:
+            await self._close_tier(pool)
+
+    # -- the port ------------------------------------------------------------------------------
+
+    def available(self) -> frozenset[Tier]:
+        return frozenset(t for t, p in self._tiers.items() if p.alive > 0)
+
+    def room(self, tier: Tier) -> int:
+        pool = self._tiers.get(tier)
+        return pool.room() if pool is not None else 0
+
+    def capacity(self, tier: Tier) -> int:
+        pool = self._tiers.get(tier)
+        if pool is None or pool.alive == 0:
+            return 0
+        return pool.alive + pool.spec.queue
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        self._subscribers.append(callback)
+
+    def _changed(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def fire() -> None:
+            for callback in list(self._subscribers):
+                try:
+                    callback()
+                except Exception:
+                    log.exception("inference subscriber failed")
+
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(fire)
+
+    async def infer(
+        self, request: InferenceRequest, tier: Tier, control: CallControl | None = None
+    ) -> InferenceResult:
+        control = control or CallControl()
+        pool = self._tiers.get(tier)
+        if pool is None or pool.alive == 0:
+            raise CapabilityUnavailable(request.kind, tier)
+        loop = asyncio.get_running_loop()
+        self._loop = self._loop or loop
+        now = time.monotonic()
+        if control.start_deadline is not None and now >= control.start_deadline:
+            pool.count(requests_refused=1)
+            raise DeadlineExceeded("refused: its deadline passed before it was queued")
+        job = _Job(
+            request=request,
+            loop=loop,
+            future=loop.create_future(),
+            enqueued=now,
+            start_deadline=control.start_deadline,
+            timeout=control.timeout,
+        )
+        pool.submit(job)
+        timer = None
+        if control.start_deadline is not None:
+
+            def refuse_if_queued() -> None:
+                if pool.withdraw(
+                    job, DeadlineExceeded("refused: its deadline passed in the queue")
+                ):
+                    pool.count(requests_refused=1)
+
+            timer = loop.call_later(max(0.0, control.start_deadline - now), refuse_if_queued)
+        watcher = None
+        if control.cancel is not None:
+            cancel_event = control.cancel
+
+            async def watch() -> None:
+                await cancel_event.wait()
+                job.cancel.set()
+                if pool.withdraw(job, CallCancelled("cancelled while queued")):
+                    pool.count(requests_cancelled=1)
+
+            watcher = asyncio.create_task(watch(), name="inference-cancel-watch")
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            job.cancel.set()
+            pool.withdraw(job, CallCancelled("the caller went away"))
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if watcher is not None:
+                watcher.cancel()
+
+    def stats(self) -> dict[str, Any]:
+        return {tier.value: pool.snapshot() for tier, pool in self._tiers.items()}
+
+    def spans(self, tier: Tier) -> list[CallSpan]:
+        pool = self._tiers.get(tier)
+        return list(pool.spans) if pool is not None else []
+
+    def health(self) -> dict[str, Any]:
+        """Up or down per tier, with why a tier is down."""
+        out: dict[str, Any] = {}
+        for tier, pool in self._tiers.items():
+            errors = [w.load_error for w in pool.workers if w.load_error]
+            out[tier.value] = {
+                "up": pool.alive > 0,
+                "workers_alive": pool.alive,
+                "errors": errors,
+            }
+        return out
