@@ -974,6 +974,7 @@ async def explain_claim(side: BusSide, pending: int, limit: int = 7) -> Explaine
         "tenant_limit": RunnerConfig().tenant_limit,
         "tenant": None,
         "max_runtime": timedelta(minutes=10),  # the store's default for undeclared stages
+        "blocked_tiers": [],
         "now": None,
     }
     sql = "EXPLAIN (ANALYZE) " + q("message_claim_lane")

@@ -411,6 +411,7 @@ CREATE TABLE appliance.agent_messages (
     outcome text,
     run_deadline timestamp with time zone,
     hops integer DEFAULT 0 NOT NULL,
+    waiting_for text,
     CONSTRAINT agent_messages_attempts_check CHECK ((attempts >= 0)),
     CONSTRAINT agent_messages_directive_check CHECK ((btrim(directive) <> ''::text)),
     CONSTRAINT agent_messages_hops_check CHECK ((hops >= 0)),
@@ -514,6 +515,55 @@ ALTER TABLE ONLY appliance.idempotency_keys FORCE ROW LEVEL SECURITY;
 ALTER TABLE appliance.idempotency_keys OWNER TO appliance_owner;
 
 --
+-- Name: inference_calls; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.inference_calls (
+    id bigint NOT NULL,
+    tenant text NOT NULL,
+    message_id bigint NOT NULL,
+    pipeline text NOT NULL,
+    stage text NOT NULL,
+    kind text NOT NULL,
+    tier text NOT NULL,
+    min_tier text NOT NULL,
+    route_reason text NOT NULL,
+    model text NOT NULL,
+    model_sha256 text NOT NULL,
+    status text NOT NULL,
+    error text,
+    prompt_tokens integer DEFAULT 0 NOT NULL,
+    completion_tokens integer DEFAULT 0 NOT NULL,
+    queue_seconds double precision DEFAULT 0 NOT NULL,
+    ttft_seconds double precision DEFAULT 0 NOT NULL,
+    total_seconds double precision DEFAULT 0 NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT inference_calls_completion_tokens_check CHECK ((completion_tokens >= 0)),
+    CONSTRAINT inference_calls_min_tier_check CHECK ((min_tier = ANY (ARRAY['mechanical'::text, 'reasoning'::text]))),
+    CONSTRAINT inference_calls_never_downgrade CHECK ((NOT ((min_tier = 'reasoning'::text) AND (tier = 'mechanical'::text)))),
+    CONSTRAINT inference_calls_prompt_tokens_check CHECK ((prompt_tokens >= 0)),
+    CONSTRAINT inference_calls_status_check CHECK ((status = ANY (ARRAY['ok'::text, 'error'::text, 'cancelled'::text, 'refused'::text, 'invalid_output'::text]))),
+    CONSTRAINT inference_calls_tier_check CHECK ((tier = ANY (ARRAY['mechanical'::text, 'reasoning'::text])))
+);
+
+ALTER TABLE ONLY appliance.inference_calls FORCE ROW LEVEL SECURITY;
+
+ALTER TABLE appliance.inference_calls OWNER TO appliance_owner;
+
+--
+-- Name: inference_calls_id_seq; Type: SEQUENCE; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE appliance.inference_calls ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME appliance.inference_calls_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
 -- Name: message_status_transitions; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
@@ -572,9 +622,11 @@ CREATE TABLE appliance.pipeline_stages (
     max_runtime interval NOT NULL,
     max_attempts integer NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    tier text,
     CONSTRAINT pipeline_stages_directive_check CHECK ((btrim(directive) <> ''::text)),
     CONSTRAINT pipeline_stages_max_attempts_check CHECK (((max_attempts >= 1) AND (max_attempts <= 100))),
-    CONSTRAINT pipeline_stages_max_runtime_check CHECK ((max_runtime > '00:00:00'::interval))
+    CONSTRAINT pipeline_stages_max_runtime_check CHECK ((max_runtime > '00:00:00'::interval)),
+    CONSTRAINT pipeline_stages_tier_check CHECK (((tier IS NULL) OR (tier = ANY (ARRAY['mechanical'::text, 'reasoning'::text]))))
 );
 
 ALTER TABLE appliance.pipeline_stages OWNER TO appliance_owner;
@@ -674,6 +726,13 @@ ALTER TABLE ONLY appliance.agent_messages
 
 ALTER TABLE ONLY appliance.idempotency_keys
     ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (tenant, key);
+
+--
+-- Name: inference_calls inference_calls_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.inference_calls
+    ADD CONSTRAINT inference_calls_pkey PRIMARY KEY (id);
 
 --
 -- Name: message_status_transitions message_status_transitions_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -786,10 +845,28 @@ CREATE INDEX agent_messages_lane_tenant_priority_not_before_id_idx ON appliance.
 CREATE INDEX agent_messages_lease_expires_at_idx ON appliance.agent_messages USING btree (lease_expires_at) WHERE (status = 'running'::appliance.message_status);
 
 --
+-- Name: agent_messages_waiting_capability_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_waiting_capability_idx ON appliance.agent_messages USING btree (waiting_for) WHERE (status = 'waiting_capability'::appliance.message_status);
+
+--
 -- Name: idempotency_keys_last_hit_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
 CREATE INDEX idempotency_keys_last_hit_at_idx ON appliance.idempotency_keys USING btree (last_hit_at) WHERE (last_hit_at IS NOT NULL);
+
+--
+-- Name: inference_calls_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX inference_calls_at_idx ON appliance.inference_calls USING btree (at);
+
+--
+-- Name: inference_calls_message_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX inference_calls_message_idx ON appliance.inference_calls USING btree (message_id);
 
 --
 -- Name: message_transitions_lease_expired_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
@@ -839,6 +916,13 @@ CREATE TRIGGER tenants_insert_trg AFTER INSERT ON appliance.tenants REFERENCING 
 
 ALTER TABLE ONLY appliance.agent_messages
     ADD CONSTRAINT agent_messages_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
+
+--
+-- Name: inference_calls inference_calls_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.inference_calls
+    ADD CONSTRAINT inference_calls_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
 
 --
 -- Name: stage_routes stage_routes_pipeline_next_stage_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -914,6 +998,24 @@ CREATE POLICY idempotency_keys_bus_machinery ON appliance.idempotency_keys TO ap
 --
 
 CREATE POLICY idempotency_keys_tenant_isolation ON appliance.idempotency_keys TO appliance_app USING ((tenant = appliance.current_tenant())) WITH CHECK ((tenant = appliance.current_tenant()));
+
+--
+-- Name: inference_calls; Type: ROW SECURITY; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE appliance.inference_calls ENABLE ROW LEVEL SECURITY;
+
+--
+-- Name: inference_calls inference_calls_bus_machinery; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY inference_calls_bus_machinery ON appliance.inference_calls TO appliance_owner, appliance_system USING (true) WITH CHECK (true);
+
+--
+-- Name: inference_calls inference_calls_tenant_isolation; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY inference_calls_tenant_isolation ON appliance.inference_calls TO appliance_app USING ((tenant = appliance.current_tenant()));
 
 --
 -- Name: message_transitions; Type: ROW SECURITY; Schema: appliance; Owner: appliance_owner
@@ -995,6 +1097,13 @@ GRANT USAGE ON SEQUENCE appliance.agent_messages_lease_token_seq TO appliance_sy
 
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.idempotency_keys TO appliance_app;
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.idempotency_keys TO appliance_system;
+
+--
+-- Name: TABLE inference_calls; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.inference_calls TO appliance_app;
+GRANT SELECT,INSERT ON TABLE appliance.inference_calls TO appliance_system;
 
 --
 -- Name: TABLE message_status_transitions; Type: ACL; Schema: appliance; Owner: appliance_owner

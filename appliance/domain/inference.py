@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol
@@ -174,7 +174,11 @@ class DeadlineExceeded(InferenceError):
 
 
 class CallCancelled(InferenceError):
-    """The call was cancelled; generation stopped between tokens."""
+    """The call was cancelled; generation stopped between tokens (`tokens` were generated)."""
+
+    def __init__(self, message: str, tokens: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens
 
 
 class OutputInvalid(InferenceError):
@@ -191,7 +195,9 @@ class CallControl:
     start_deadline: float | None = None  # time.monotonic() value
     timeout: float | None = None  # seconds of processing
     cancel: asyncio.Event | None = None
-    tags: dict[str, str] = field(default_factory=dict)
+    # Progress: called from the worker thread with the tokens generated so far, once per token.
+    # Must be cheap and thread-safe (hand off to the loop with call_soon_threadsafe).
+    on_token: Callable[[int], None] | None = None
 
 
 class InferenceService(Protocol):

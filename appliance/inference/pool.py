@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+from llama_cpp import llama_chat_format
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from appliance.domain.errors import ConfigurationError
@@ -65,9 +66,10 @@ def gpu_offload_supported() -> bool:
 
 
 class _Stop(Exception):
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, tokens: int) -> None:
         super().__init__(why)
         self.why = why
+        self.tokens = tokens
 
 
 @dataclass(eq=False)
@@ -78,6 +80,7 @@ class _Job:
     enqueued: float
     start_deadline: float | None
     timeout: float | None
+    on_token: Callable[[int], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
 
     def resolve(self, value: InferenceResult | BaseException) -> None:
@@ -178,44 +181,42 @@ class _Worker(threading.Thread):
 
     def _serve(self, job: _Job) -> None:
         try:
-            self._serve_one(job)
+            outcome = self._serve_one(job)
         finally:
+            # Free before the caller hears back: a caller that submits again at once must see
+            # this worker idle (room and capacity are read right after a result arrives).
             self.busy = False
-            self.tier.changed()
+        job.resolve(outcome)
+        self.tier.changed()
 
-    def _serve_one(self, job: _Job) -> None:
+    def _serve_one(self, job: _Job) -> InferenceResult | InferenceError:
         tier = self.tier
         started = time.monotonic()
         if job.cancel.is_set():
             tier.count(requests_cancelled=1)
-            job.resolve(CallCancelled("cancelled before it started"))
-            return
+            return CallCancelled("cancelled before it started")
         if job.start_deadline is not None and started > job.start_deadline:
             tier.count(requests_refused=1)
-            job.resolve(
-                DeadlineExceeded(
-                    f"refused: could not start before its deadline "
-                    f"(queued {started - job.enqueued:.3f} s)"
-                )
+            return DeadlineExceeded(
+                f"refused: could not start before its deadline "
+                f"(queued {started - job.enqueued:.3f} s)"
             )
-            return
         try:
-            result = self._call(job, started)
+            return self._call(job, started)
         except _Stop as stop:
             self._after_stop()
             if stop.why == "cancelled":
                 tier.count(requests_cancelled=1)
-                job.resolve(CallCancelled("cancelled; generation stopped between tokens"))
-            else:
-                tier.count(requests_refused=1)
-                job.resolve(DeadlineExceeded("the call ran out of time; generation stopped"))
+                return CallCancelled(
+                    f"cancelled; generation stopped after {stop.tokens} tokens", stop.tokens
+                )
+            tier.count(requests_refused=1)
+            return DeadlineExceeded("the call ran out of time; generation stopped")
         except Exception as exc:
             tier.count(requests_failed=1)
             log.warning("%s: call failed (%s); rebuilding the worker", self.name, exc)
-            job.resolve(InferenceError(f"{tier.spec.model}: {type(exc).__name__}: {exc}"))
             self._rebuild()
-        else:
-            job.resolve(result)
+            return InferenceError(f"{tier.spec.model}: {type(exc).__name__}: {exc}")
 
     def _after_stop(self) -> None:
         # Generation was interrupted mid-way: forget the evaluated tokens, so the next call
@@ -241,52 +242,44 @@ class _Worker(threading.Thread):
         if not self._guard.acquire(blocking=False):
             raise RuntimeError(f"{self.name}: instance already in use (pool bug)")
         first: float | None = None
+        generated = 0
         stop_at = started + job.timeout if job.timeout is not None else None
         try:
 
-            def between_tokens(_ids: Any, scores: Any) -> Any:
-                # Called once per sampled token, after the prompt is evaluated.
-                nonlocal first
+            def between_tokens(_ids: Any, _scores: Any) -> bool:
+                # Called in Python once per sampled token, after the prompt is evaluated. (Not a
+                # logits processor: those run as a ctypes callback, where an exception is lost,
+                # and they copy the whole vocabulary's logits every token.)
+                nonlocal first, generated
                 now = time.monotonic()
                 if first is None:
                     first = now
                 if job.cancel.is_set():
-                    raise _Stop("cancelled")
+                    raise _Stop("cancelled", generated)
                 if stop_at is not None and now > stop_at:
-                    raise _Stop("timeout")
-                return scores
+                    raise _Stop("timeout", generated)
+                generated += 1
+                if job.on_token is not None:
+                    job.on_token(generated)
+                return False
 
-            processors = llama_cpp.LogitsProcessorList([between_tokens])
-            schema = dict(request.json_schema) if request.json_schema is not None else None
-            if request.messages:
-                response: Any = llama.create_chat_completion(
-                    messages=[{"role": m.role, "content": m.content} for m in request.messages],  # type: ignore[misc]
-                    response_format=(
-                        {"type": "json_object", "schema": schema} if schema is not None else None
-                    ),
-                    max_tokens=request.max_tokens,
-                    temperature=request.temperature,
-                    seed=request.seed,
-                    stop=list(request.stop),
-                    logits_processor=processors,
-                )
-                text = response["choices"][0]["message"]["content"] or ""
-            else:
-                grammar = (
-                    LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
-                    if schema is not None
-                    else None
-                )
-                response = llama.create_completion(
-                    prompt=request.prompt or "",
-                    grammar=grammar,
-                    max_tokens=request.max_tokens,
-                    temperature=request.temperature,
-                    seed=request.seed,
-                    stop=list(request.stop),
-                    logits_processor=processors,
-                )
-                text = response["choices"][0]["text"]
+            prompt, stop = self.tier.render(request)
+            schema = request.json_schema
+            grammar = (
+                LlamaGrammar.from_json_schema(json.dumps(dict(schema)), verbose=False)
+                if schema is not None
+                else None
+            )
+            response: Any = llama.create_completion(
+                prompt=prompt,
+                grammar=grammar,
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                seed=request.seed,
+                stop=stop,
+                stopping_criteria=llama_cpp.StoppingCriteriaList([between_tokens]),
+            )
+            text = response["choices"][0]["text"]
             ended = time.monotonic()
         finally:
             self._guard.release()
@@ -342,6 +335,24 @@ class TierPool:
             )
         self.n_gpu_layers = gpu
         self.workers = [_Worker(self, i, n_threads, gpu) for i in range(spec.workers)]
+        formatter = getattr(llama_chat_format, f"format_{spec.chat_format.replace('-', '_')}", None)
+        if formatter is None:
+            raise ConfigurationError(
+                f"inference: model {spec.model} names chat format {spec.chat_format!r}, "
+                "which this llama.cpp binding does not know"
+            )
+        self._formatter: Callable[..., Any] = formatter
+
+    def render(self, request: InferenceRequest) -> tuple[str, list[str]]:
+        """The prompt text and stop strings of a request (chat messages through the model's
+        chat format, so chat and completion share one generation path)."""
+        if not request.messages:
+            return request.prompt or "", list(request.stop)
+        formatted = self._formatter(
+            messages=[{"role": m.role, "content": m.content} for m in request.messages]
+        )
+        stops = formatted.stop or []
+        return formatted.prompt, [*([stops] if isinstance(stops, str) else stops), *request.stop]
 
     def start(self) -> None:
         for worker in self.workers:
@@ -578,6 +589,7 @@ class InferencePool:
             enqueued=now,
             start_deadline=control.start_deadline,
             timeout=control.timeout,
+            on_token=control.on_token,
         )
         pool.submit(job)
         timer = None

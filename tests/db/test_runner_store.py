@@ -325,6 +325,7 @@ async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoi
             "tenant_limit": 100,
             "tenant": None,
             "max_runtime": timedelta(minutes=10),
+            "blocked_tiers": [],
             "now": None,
         }
         async with db.system_pool.connection() as aconn:

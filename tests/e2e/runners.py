@@ -30,10 +30,14 @@ class RunnerProcs:
     _n: int = 0
 
     def env(self, **overrides: str) -> dict[str, str]:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+        keep = {"APPLIANCE_MODEL_CACHE"}
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_") or k in keep}
         return {
             **clean,
             "APPLIANCE_DATABASE_URL": self.admin,
+            # Bus tests run without models (faster starts, all cores for the bus); the model
+            # tests turn inference on.
+            "APPLIANCE_INFERENCE__ENABLED": "false",
             "APPLIANCE_RUNNER__PIPELINES": "[]",
             "APPLIANCE_RUNNER__PIPELINE_MODULES": '["tests.e2e.fixture_pipelines"]',
             "APPLIANCE_BUS__LEASE_SECONDS": "2",

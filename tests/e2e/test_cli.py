@@ -112,7 +112,7 @@ def test_local_cluster_lifecycle_from_the_cli(state_dir: Path) -> None:
         assert run(env, "db", "status", check=False).returncode == 3
         assert "running" in run(env, "db", "start").stdout
         assert "running" in run(env, "db", "start").stdout  # idempotent
-        assert "applied [1, 2, 3]" in run(env, "db", "migrate").stdout
+        assert "applied [1, 2, 3, 4]" in run(env, "db", "migrate").stdout
         assert "applied none" in run(env, "db", "migrate").stdout
         run(env, "tenant", "add", "acme")
         out = run(

@@ -1,0 +1,43 @@
+"""The real models of models.lock for tests: their verified files and tier specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.domain.errors import ConfigurationError
+from appliance.domain.inference import Tier
+from appliance.inference.cache import ModelCache
+from appliance.inference.lockfile import ModelEntry, load_lock
+from appliance.inference.pool import TierSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCK = ROOT / "models.lock"
+
+
+def entry(tier: Tier) -> ModelEntry:
+    return load_lock(LOCK).profile("dev")[tier]
+
+
+def spec(tier: Tier, **overrides: object) -> TierSpec:
+    """A tier of the dev profile, its file verified; skips (with what to run) when not fetched."""
+    e = entry(tier)
+    try:
+        path = ModelCache().verify(e).path
+    except ConfigurationError as exc:  # pragma: no cover - scripts/test fetches the models
+        pytest.fail(f"{exc} (./scripts/test fetches them)")
+    values: dict[str, object] = {
+        "tier": tier,
+        "model": e.name,
+        "sha256": e.sha256,
+        "path": path,
+        "chat_format": e.chat_format,
+        "context_length": e.context_length,
+        "workers": 1,
+        "n_ctx": 1024,
+        "n_threads": 1,
+        "queue": 4,
+    }
+    values.update(overrides)
+    return TierSpec(**values)  # type: ignore[arg-type]

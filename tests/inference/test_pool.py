@@ -1,0 +1,270 @@
+"""The llama.cpp pool with the real small models on CPU: parallel workers, bounded queues,
+deadlines, cancellation between tokens, constrained output, and surviving a failed call."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from appliance.domain.errors import ConfigurationError
+from appliance.domain.inference import (
+    CallCancelled,
+    CallControl,
+    CapabilityUnavailable,
+    ChatMessage,
+    DeadlineExceeded,
+    InferenceError,
+    InferenceRequest,
+    QueueFull,
+    Tier,
+)
+from appliance.domain.pipeline import parse_output
+from appliance.inference.pool import InferencePool
+from appliance.pipelines.support import CLASSIFY_PROMPT, TicketLabel
+from tests.inference.models import spec
+
+# A prompt the models keep writing after: long generations for the timing tests.
+RAMBLE = "Here is a very long story about a dragon, told in great detail. Once upon a time,"
+
+TICKETS = [
+    ("Charged twice", "My card was charged twice for the same order."),
+    ("App crash", "The mobile app crashes when I open my profile."),
+    ("Password", "I cannot reset my password; the link has expired."),
+    ("Dark mode", "Please add a dark mode to the web dashboard."),
+    ("Refund", "I returned the item two weeks ago and still have no refund."),
+    ("Error 500", "The export page shows error 500 since the last update."),
+    ("Email change", "How do I change the email address of my account?"),
+    ("CSV export", "It would help a lot to export reports as CSV files."),
+    ("Invoice", "Can you send me an invoice with our company VAT number?"),
+    ("Slow", "Search takes a minute to return anything today."),
+    ("Two factor", "I lost my phone and cannot log in with two-factor codes."),
+    ("API limits", "Could you raise the API rate limit for enterprise plans?"),
+    ("Opening hours", "What are your support opening hours at Christmas?"),
+    ("Price", "Why did the monthly price go up without notice?"),
+    ("Sync", "Files I save on my laptop never appear on my phone."),
+    ("Delete", "Please delete my account and all my data."),
+    ("Integrations", "Do you plan a Slack integration?"),
+    ("Broken link", "The link in your welcome email goes to a 404 page."),
+    ("Partnership", "We would like to discuss a reseller partnership."),
+    ("Coupon", "My discount code was not applied at checkout."),
+]
+
+
+@pytest.fixture
+async def mechanical2() -> AsyncIterator[InferencePool]:
+    """Two workers on the mechanical tier, one thread each (2 cores), a queue of 1."""
+    pool = InferencePool([spec(Tier.MECHANICAL, workers=2, queue=1)], cores=2)
+    await pool.start()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+@pytest.fixture
+async def mechanical1() -> AsyncIterator[InferencePool]:
+    pool = InferencePool([spec(Tier.MECHANICAL, workers=1, queue=4)], cores=2)
+    await pool.start()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+def ramble(max_tokens: int = 48) -> InferenceRequest:
+    return InferenceRequest("extract", prompt=RAMBLE, max_tokens=max_tokens, temperature=0.0)
+
+
+async def test_two_workers_serve_in_parallel_and_a_third_waits(
+    mechanical2: InferencePool,
+) -> None:
+    results = await asyncio.gather(
+        *(mechanical2.infer(ramble(), Tier.MECHANICAL) for _ in range(3))
+    )
+    spans = sorted(mechanical2.spans(Tier.MECHANICAL), key=lambda s: s.start)
+    assert len(spans) == 3
+    first, second, third = spans
+    # The first two ran at the same time, on different workers (overlapping windows).
+    assert first.worker != second.worker
+    assert second.start < first.end and first.start < second.end
+    # The third waited for a free worker: it started after one of them ended.
+    assert third.start >= min(first.end, second.end)
+    assert max(r.queue_seconds for r in results) > 0
+    # No instance was ever used by two threads, nor twice at once.
+    by_instance: dict[int, list[tuple[float, float, int]]] = {}
+    for s in spans:
+        by_instance.setdefault(s.instance, []).append((s.start, s.end, s.thread))
+    assert len(by_instance) == 2
+    for uses in by_instance.values():
+        assert len({thread for _, _, thread in uses}) == 1
+        uses.sort()
+        for (_, end, _), (start, _, _) in itertools.pairwise(uses):
+            assert start >= end
+
+
+async def test_a_full_queue_refuses_instead_of_queueing(mechanical2: InferencePool) -> None:
+    assert mechanical2.capacity(Tier.MECHANICAL) == 3
+    calls = [asyncio.create_task(mechanical2.infer(ramble(), Tier.MECHANICAL)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert mechanical2.room(Tier.MECHANICAL) == 0
+    with pytest.raises(QueueFull):
+        await mechanical2.infer(ramble(), Tier.MECHANICAL)
+    await asyncio.gather(*calls)
+    assert mechanical2.room(Tier.MECHANICAL) == 3
+
+
+async def test_constrained_classification_returns_a_label_for_every_ticket(
+    mechanical1: InferencePool,
+) -> None:
+    schema = TicketLabel.model_json_schema()
+    labels = []
+    for subject, body in TICKETS:
+        result = await mechanical1.infer(
+            InferenceRequest(
+                "classify",
+                prompt=CLASSIFY_PROMPT.format(subject=subject, body=body),
+                json_schema=schema,
+                max_tokens=24,
+            ),
+            Tier.MECHANICAL,
+        )
+        labels.append(parse_output(result.text, TicketLabel).label)
+    assert len(labels) == 20
+    assert set(labels) <= {"billing", "bug", "account", "feature", "other"}
+
+
+async def test_chat_with_a_schema_returns_valid_json(mechanical1: InferencePool) -> None:
+    result = await mechanical1.infer(
+        InferenceRequest(
+            "extract",
+            messages=(ChatMessage("user", "Give the city of: 'I live in Paris.'"),),
+            json_schema={
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+            },
+            max_tokens=32,
+        ),
+        Tier.MECHANICAL,
+    )
+    assert isinstance(json.loads(result.text)["city"], str)
+    assert result.prompt_tokens > 0 and result.completion_tokens > 0
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_is_refused_unrun(
+    mechanical1: InferencePool,
+) -> None:
+    long = asyncio.create_task(mechanical1.infer(ramble(120), Tier.MECHANICAL))
+    await asyncio.sleep(0.05)
+    control = CallControl(start_deadline=time.monotonic() + 0.2)
+    with pytest.raises(DeadlineExceeded, match="refused"):
+        await mechanical1.infer(ramble(8), Tier.MECHANICAL, control)
+    await long
+    stats = mechanical1.stats()["mechanical"]
+    assert stats["requests_refused"] == 1
+    assert stats["requests_total"] == 1  # only the long one ran
+    assert len(mechanical1.spans(Tier.MECHANICAL)) == 1
+    # A deadline already past is refused before it is queued.
+    with pytest.raises(DeadlineExceeded):
+        await mechanical1.infer(
+            ramble(8), Tier.MECHANICAL, CallControl(start_deadline=time.monotonic() - 1)
+        )
+
+
+async def test_cancellation_stops_generation_within_a_few_tokens(
+    mechanical1: InferencePool,
+) -> None:
+    cancel = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    at_cancel: list[int] = []
+
+    def progress(tokens: int) -> None:
+        # Worker thread: ask for cancellation once 5 tokens are out.
+        if tokens == 5:
+            at_cancel.append(tokens)
+            loop.call_soon_threadsafe(cancel.set)
+
+    control = CallControl(cancel=cancel, on_token=progress)
+    with pytest.raises(CallCancelled) as info:
+        await mechanical1.infer(ramble(400), Tier.MECHANICAL, control)
+    assert at_cancel == [5]
+    assert 5 <= info.value.tokens <= 5 + 4, info.value.tokens
+    # The worker is free again at once and serves the next request.
+    after = await mechanical1.infer(ramble(4), Tier.MECHANICAL)
+    assert after.completion_tokens >= 1
+    assert mechanical1.stats()["mechanical"]["requests_cancelled"] == 1
+
+
+async def test_a_call_timeout_stops_generation(mechanical1: InferencePool) -> None:
+    with pytest.raises(DeadlineExceeded, match="ran out of time"):
+        await mechanical1.infer(ramble(400), Tier.MECHANICAL, CallControl(timeout=0.3))
+
+
+async def test_a_failing_call_leaves_the_pool_serving(mechanical1: InferencePool) -> None:
+    # More tokens than the context holds: llama.cpp refuses the request.
+    huge = InferenceRequest("extract", prompt="word " * 3000, max_tokens=8)
+    with pytest.raises(InferenceError):
+        await mechanical1.infer(huge, Tier.MECHANICAL)
+    ok = await mechanical1.infer(ramble(4), Tier.MECHANICAL)
+    assert ok.completion_tokens >= 1
+    stats = mechanical1.stats()["mechanical"]
+    assert stats["requests_failed"] == 1
+    assert stats["rebuilds"] == 1
+    assert stats["workers_alive"] == 1
+    assert mechanical1.health()["mechanical"]["up"]
+
+
+async def test_stats_mirror_llama_server_names(mechanical1: InferencePool) -> None:
+    result = await mechanical1.infer(ramble(6), Tier.MECHANICAL)
+    stats = mechanical1.stats()["mechanical"]
+    for name in (
+        "requests_processing",
+        "requests_deferred",
+        "prompt_tokens_total",
+        "tokens_predicted_total",
+        "prompt_seconds_total",
+        "tokens_predicted_seconds_total",
+        "busy_workers",
+    ):
+        assert name in stats
+    assert stats["prompt_tokens_total"] == result.prompt_tokens
+    assert stats["tokens_predicted_total"] == result.completion_tokens
+    assert result.ttft_seconds > 0 and result.total_seconds >= result.ttft_seconds
+
+
+async def test_a_tier_that_is_down_refuses_and_can_come_back() -> None:
+    pool = InferencePool([spec(Tier.MECHANICAL)], cores=2)
+    await pool.start()
+    try:
+        assert pool.available() == frozenset({Tier.MECHANICAL})
+        with pytest.raises(CapabilityUnavailable):
+            await pool.infer(InferenceRequest("draft", prompt="Hi", max_tokens=4), Tier.REASONING)
+        changes: list[int] = []
+        pool.subscribe(lambda: changes.append(1))
+        await pool.start_tier(spec(Tier.REASONING))
+        assert pool.available() == frozenset({Tier.MECHANICAL, Tier.REASONING})
+        drafted = await pool.infer(
+            InferenceRequest("draft", prompt="Dear customer,", max_tokens=4), Tier.REASONING
+        )
+        assert drafted.model == spec(Tier.REASONING).model
+        await pool.stop_tier(Tier.REASONING)
+        await asyncio.sleep(0.05)
+        assert pool.available() == frozenset({Tier.MECHANICAL})
+        assert changes
+    finally:
+        await pool.close()
+
+
+def test_threads_never_exceed_the_cores() -> None:
+    with pytest.raises(ConfigurationError, match="more than the 2 cores"):
+        InferencePool([spec(Tier.MECHANICAL, workers=2, n_threads=2)], cores=2)
+    # Left to itself, the pool splits the cores over every worker.
+    pool = InferencePool(
+        [spec(Tier.MECHANICAL, n_threads=None), spec(Tier.REASONING, n_threads=None)], cores=2
+    )
+    assert [t["n_threads"] for t in pool.stats().values()] == [1, 1]
