@@ -15,14 +15,19 @@ reasoning: Gemma 3 270M), with the model files from the model cache (verified by
 2. aggregate throughput on the mechanical tier: 8 requests submitted at once to a pool of 1 worker
    (2 threads) and to a pool of 2 workers (1 thread each); total completion tokens / wall time
    from the first submit to the last result (3 repeats each, alternating);
-3. time to first token: the pool's own `ttft_seconds` (worker start to first sampled token) of
-   the calls in (1), and the wall time of a max_tokens=1 call, raw and through the pool;
-4. memory per worker: RSS (plus anonymous RSS and PSS) of a fresh Python process before and after
+3. time to first token: the pool's own `ttft_seconds` (worker start to the first sampled token)
+   of the calls in (1), and the wall time of a max_tokens=1 call, raw and through the pool;
+4. memory per worker: RSS (plus anonymous RSS and PSS) of a fresh process before and after
    starting a pool of 1 worker and of 2 workers and serving one short call on each worker, per
-   tier. Each measurement runs in its own subprocess, so freed heaps and other instances do not
-   blur it;
+   tier;
 5. GPU: when this llama.cpp build can offload (`llama_supports_gpu_offload()`), (1) again with
    n_gpu_layers=-1 as its own rows; otherwise a line says the GPU rows were skipped.
+
+Every side runs in its own child process (`--serve`), driven over a pipe by this process, which
+alternates the calls and loads no model itself. That is deliberate: this llama.cpp build uses
+OpenMP, and when two OS threads of one process drive multi-threaded llama.cpp calls (a raw
+`Llama` on the main thread and a pool worker thread, say), both slow down about 2.5x here. A
+diagnostic row shows that case (raw on the main thread and a 1-worker pool in one process).
 
 The machine may be shared: `others' CPU` is the cores' worth of CPU the rest of the machine used
 during the median run (0.00 = a quiet box). Nothing is written to bench/RESULTS.md; the figures
@@ -30,7 +35,7 @@ are printed, and written as JSON with `--json PATH`.
 
 Run from the repository root (the models must be fetched: `appliance models fetch`):
 
-    .venv/bin/python -m bench.inference_bench                  # the full run (~2-3 minutes)
+    .venv/bin/python -m bench.inference_bench                  # the full run (~3 minutes)
     .venv/bin/python -m bench.inference_bench --quick          # small sizes, a smoke test
     .venv/bin/python -m bench.inference_bench --json /tmp/inference_bench.json
 """
@@ -47,11 +52,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import llama_cpp
 import psutil
@@ -90,8 +96,9 @@ class Sizes:
     ttft_repeats: int  # (3): max_tokens=1 calls, raw and pool each
     tp_requests: int  # (2): requests submitted at once
     tp_max_tokens: int  # (2)
-    tp_repeats: int  # (2): per configuration
+    tp_repeats: int  # (2): per layout
     mem_tokens: int  # (4): the one short call per worker
+    diag_repeats: int  # the same-process diagnostic: raw and pool calls each
 
 
 FULL = Sizes(
@@ -102,6 +109,7 @@ FULL = Sizes(
     tp_max_tokens=64,
     tp_repeats=3,
     mem_tokens=8,
+    diag_repeats=2,
 )
 QUICK = Sizes(
     repeats=2,
@@ -111,6 +119,7 @@ QUICK = Sizes(
     tp_max_tokens=16,
     tp_repeats=1,
     mem_tokens=4,
+    diag_repeats=1,
 )
 
 _prompts = iter(range(1_000_000))
@@ -125,39 +134,8 @@ def counting_prompt() -> str:
     return f"Count upwards, one number per item: {numbers},"
 
 
-# -- stdout/stderr ------------------------------------------------------------------------------
-
-
-class Stdio:
-    """Puts stdout and stderr back after llama-cpp-python loads models.
-
-    With verbose=False, `Llama(...)` silences output while it loads by pointing fds 1 and 2 and
-    sys.stdout/sys.stderr at /dev/null and back, process-wide and not thread-safely. When two
-    workers load at once (a pool of 2), the second one saves the first one's /dev/null as the
-    "original" and restores it: the process stays silent for good. Call `restore()` after every
-    pool start, when no load is in progress.
-    """
-
-    def __init__(self) -> None:
-        self.out, self.err = sys.stdout, sys.stderr
-        self.fds = (os.dup(1), os.dup(2))
-
-    def restore(self) -> None:
-        os.dup2(self.fds[0], 1)
-        os.dup2(self.fds[1], 2)
-        sys.stdout, sys.stderr = self.out, self.err
-
-
-STDIO: Stdio | None = None
-
-
-async def start(pool: InferencePool) -> None:
-    """`pool.start()`, then output restored (see Stdio)."""
-    try:
-        await pool.start()
-    finally:
-        if STDIO is not None:
-            STDIO.restore()
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -201,11 +179,9 @@ class Model:
         )
 
 
-def load_models() -> dict[Tier, Model]:
-    lock = load_lock(LOCK_PATH)
-    cache = ModelCache()
-    entries = lock.profile(PROFILE)
-    return {tier: Model(tier, entries[tier], cache.verify(entries[tier]).path) for tier in TIERS}
+def load_model(tier: Tier) -> Model:
+    entry = load_lock(LOCK_PATH).profile(PROFILE)[tier]
+    return Model(tier, entry, ModelCache().verify(entry).path)
 
 
 def request(prompt: str, max_tokens: int) -> InferenceRequest:
@@ -214,7 +190,7 @@ def request(prompt: str, max_tokens: int) -> InferenceRequest:
     )
 
 
-# -- timing --------------------------------------------------------------------------------------
+# -- measuring (in the child processes) ------------------------------------------------------------
 
 
 def _machine_busy() -> float:
@@ -229,11 +205,11 @@ def _steal() -> float:
 
 class Clock:
     """Times a block: wall clock, this process's CPU (every thread, so the pool's workers too) and
-    what the rest of the machine used meanwhile; leaves a harness `Sample` of `n` items."""
+    what the rest of the machine used meanwhile."""
 
     def __init__(self) -> None:
         self.n = 0
-        self.sample: Sample | None = None
+        self.figures: dict[str, Any] = {}
 
     def __enter__(self) -> Clock:
         self._busy0, self._steal0 = _machine_busy(), _steal()
@@ -244,16 +220,245 @@ class Clock:
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t0
         cpu = time.process_time() - self._cpu0
-        other = max(0.0, _machine_busy() - self._busy0 - cpu)
-        self.sample = Sample(self.n, wall, cpu, None, other, _steal() - self._steal0)
+        self.figures = {
+            "tokens": self.n,
+            "wall": wall,
+            "cpu": cpu,
+            "other": max(0.0, _machine_busy() - self._busy0 - cpu),
+            "steal": _steal() - self._steal0,
+        }
 
-    @property
-    def wall(self) -> float:
-        return self.sample.wall if self.sample else float("nan")
+
+def memory_now() -> dict[str, float]:
+    """This process's memory in MB: RSS, its anonymous and file-backed parts, and PSS."""
+    gc.collect()
+    proc = psutil.Process()
+    out: dict[str, float] = {"rss": proc.memory_info().rss / 2**20}
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                out[key[3:].lower()] = int(value.split()[0]) / 1024  # kB
+    with contextlib.suppress(psutil.Error, AttributeError):
+        out["pss"] = proc.memory_full_info().pss / 2**20
+    return out
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+class Stdio:
+    """Puts stdout and stderr back after llama-cpp-python loads models.
+
+    With verbose=False, `Llama(...)` silences output while it loads by pointing fds 1 and 2 and
+    sys.stdout/sys.stderr at /dev/null and back, process-wide and not thread-safely. When two
+    workers load at once (a pool of 2), the second one saves the first one's /dev/null as the
+    "original" and restores it: the process stays silent for good. `restore()` after every
+    load, when no load is in progress.
+    """
+
+    def __init__(self) -> None:
+        self.out, self.err = sys.stdout, sys.stderr
+        self.fds = (os.dup(1), os.dup(2))
+
+    def restore(self) -> None:
+        os.dup2(self.fds[0], 1)
+        os.dup2(self.fds[1], 2)
+        sys.stdout, sys.stderr = self.out, self.err
+
+
+class RawSide:
+    """A raw `Llama`, called on this process's main thread."""
+
+    def __init__(self, model: Model, n_gpu_layers: int) -> None:
+        self.llm = model.raw(n_gpu_layers=n_gpu_layers)
+
+    def call(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        with Clock() as clock:
+            out: Any = self.llm.create_completion(
+                prompt, max_tokens=max_tokens, temperature=0.0, seed=SEED
+            )
+            clock.n = int(out["usage"]["completion_tokens"])
+        return clock.figures
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class PoolSide:
+    """An `InferencePool` of one tier, driven by its own event loop on this process's main
+    thread (which never touches a model itself)."""
+
+    def __init__(self, spec: TierSpec, stdio: Stdio) -> None:
+        self.tier = spec.tier
+        self.loop = asyncio.new_event_loop()
+        self.pool = InferencePool([spec])
+        try:
+            self.loop.run_until_complete(self.pool.start())
+        finally:
+            stdio.restore()
+
+    async def _call(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        with Clock() as clock:
+            result = await self.pool.infer(request(prompt, max_tokens), self.tier)
+            clock.n = result.completion_tokens
+        return clock.figures | {
+            "ttft": result.ttft_seconds,
+            "queue": result.queue_seconds,
+            "total": result.total_seconds,
+        }
+
+    async def _burst(self, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+        with Clock() as clock:
+            results: list[InferenceResult] = await asyncio.gather(
+                *(self.pool.infer(request(p, max_tokens), self.tier) for p in prompts)
+            )
+            clock.n = sum(r.completion_tokens for r in results)
+        return clock.figures | {
+            "workers_used": len({r.worker for r in results}),
+            "short": sum(1 for r in results if r.completion_tokens < max_tokens),
+        }
+
+    def call(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        return self.loop.run_until_complete(self._call(prompt, max_tokens))
+
+    def burst(self, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+        return self.loop.run_until_complete(self._burst(prompts, max_tokens))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.pool.close())
+        self.loop.close()
+
+
+def serve(config: dict[str, Any]) -> int:
+    """`--serve CONFIG`: load one side, then answer JSON commands from stdin, one a line.
+
+    config: {"role": "raw" | "pool" | "same-process", "tier", "n_gpu_layers", "workers",
+    "n_threads"}. Commands: {"op": "call", "prompt", "max_tokens", "side"?}, {"op": "burst",
+    "prompts", "max_tokens"}, {"op": "memory"}, {"op": "quit"}. Replies go to a copy of the
+    original stdout; fd 1 itself is pointed at stderr, so nothing llama.cpp prints can get
+    into them.
+    """
+    replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    stdio = Stdio()
+
+    def reply(**data: Any) -> None:
+        replies.write(json.dumps(data) + "\n")
+
+    sides: dict[str, RawSide | PoolSide] = {}
+    try:
+        model = load_model(Tier(config["tier"]))
+        gpu = int(config.get("n_gpu_layers", 0))
+        before = memory_now()
+        t0 = time.perf_counter()
+        if config["role"] in ("raw", "same-process"):
+            sides["raw"] = RawSide(model, gpu)
+            stdio.restore()
+        if config["role"] in ("pool", "same-process"):
+            workers = int(config.get("workers", 1))
+            n_threads = int(config.get("n_threads", THREADS))
+            queue = max(8, int(config.get("queue", 8)))
+            sides["pool"] = PoolSide(model.spec(workers, n_threads, gpu, queue), stdio)
+        reply(ready=True, load_s=time.perf_counter() - t0, before=before, loaded=memory_now())
+        default = next(iter(sides))
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "quit":
+                break
+            if op == "memory":
+                reply(**memory_now())
+            elif op == "call":
+                side = sides[cmd.get("side", default)]
+                reply(**side.call(cmd["prompt"], int(cmd["max_tokens"])))
+            elif op == "burst":
+                pool = sides["pool"]
+                assert isinstance(pool, PoolSide)
+                reply(**pool.burst(list(cmd["prompts"]), int(cmd["max_tokens"])))
+            else:
+                raise ValueError(f"unknown op {op!r}")
+    except Exception as exc:
+        reply(error=f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        for side in sides.values():
+            with contextlib.suppress(Exception):
+                side.close()
+    return 0
+
+
+# -- driving the children ------------------------------------------------------------------------
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+class Child:
+    """One `--serve` process, asked one command at a time."""
+
+    def __init__(self, label: str, **config: Any) -> None:
+        self.label = label
+        self._err: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.inference_bench", "--serve", json.dumps(config)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            bufsize=1,
+        )
+        self.ready = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        data = json.loads(line) if line.strip() else None
+        if not isinstance(data, dict) or "error" in data:
+            self._err.seek(0)
+            tail = " / ".join(self._err.read().strip().splitlines()[-3:])
+            why = data.get("error") if isinstance(data, dict) else "no reply"
+            raise ChildFailed(f"{self.label}: {why} (stderr: {tail or '-'})")
+        return data
+
+    def ask(self, op: str, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **cmd}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def call(self, prompt: str, max_tokens: int, side: str | None = None) -> dict[str, Any]:
+        extra = {"side": side} if side else {}
+        return self.ask("call", prompt=prompt, max_tokens=max_tokens, **extra)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def sample(figures: dict[str, Any]) -> Sample:
+    """A harness `Sample` (items = completion tokens) from a child's reply."""
+    return Sample(
+        int(figures["tokens"]),
+        float(figures["wall"]),
+        float(figures["cpu"]),
+        None,
+        float(figures["other"]),
+        float(figures["steal"]),
+    )
 
 
 # -- (1) and (3): generation, raw against the pool ------------------------------------------------
@@ -265,13 +470,11 @@ class Generation:
 
     tier: Tier
     model: str
-    backend: str  # "cpu" or "gpu"
+    backend: str  # "cpu", "gpu" or a diagnostic label
     n_gpu_layers: int
     max_tokens: int
     raw: Measurement = field(default_factory=lambda: Measurement("raw", "tokens/s"))
     pool: Measurement = field(default_factory=lambda: Measurement("pool", "tokens/s"))
-    raw_tokens: list[int] = field(default_factory=list)
-    pool_tokens: list[int] = field(default_factory=list)
     pool_ttft: list[float] = field(default_factory=list)  # the pool's ttft_seconds
     pool_queue: list[float] = field(default_factory=list)  # the pool's queue_seconds
     pool_overhead: list[float] = field(default_factory=list)  # wall - total_seconds
@@ -290,64 +493,69 @@ class Generation:
         pairs = zip(self.pool.samples, self.raw.samples, strict=False)
         return median([p.rate / r.rate for p, r in pairs if r.rate > 0])
 
-
-def _raw_call(llm: llama_cpp.Llama, prompt: str, max_tokens: int) -> tuple[Sample, int]:
-    with Clock() as clock:
-        out: Any = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, seed=SEED)
-        clock.n = int(out["usage"]["completion_tokens"])
-    assert clock.sample is not None
-    return clock.sample, clock.n
+    def add_pool(self, figures: dict[str, Any]) -> None:
+        self.pool.add(sample(figures))
+        self.pool_ttft.append(figures["ttft"])
+        self.pool_queue.append(figures["queue"])
+        self.pool_overhead.append(figures["wall"] - figures["total"])
 
 
-async def _pool_call(
-    pool: InferencePool, tier: Tier, prompt: str, max_tokens: int
-) -> tuple[Sample, InferenceResult]:
-    with Clock() as clock:
-        result = await pool.infer(request(prompt, max_tokens), tier)
-        clock.n = result.completion_tokens
-    assert clock.sample is not None
-    return clock.sample, result
+def _alternate(rep: int) -> tuple[str, str]:
+    return ("raw", "pool") if rep % 2 == 0 else ("pool", "raw")
 
 
-async def measure_generation(model: Model, sizes: Sizes, n_gpu_layers: int = 0) -> Generation:
+def measure_generation(model: Model, sizes: Sizes, n_gpu_layers: int = 0) -> Generation:
     backend = "gpu" if n_gpu_layers else "cpu"
     gen = Generation(model.tier, model.entry.name, backend, n_gpu_layers, sizes.max_tokens)
-    t0 = time.perf_counter()
-    llm = model.raw(n_gpu_layers=n_gpu_layers)
-    gen.load_raw_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    pool = InferencePool([model.spec(workers=1, n_threads=THREADS, n_gpu_layers=n_gpu_layers)])
-    await start(pool)
-    gen.load_pool_s = time.perf_counter() - t0
-    try:
-        # Warm-up (untimed): page the weights in and settle both instances.
-        _raw_call(llm, counting_prompt(), sizes.max_tokens)
-        await _pool_call(pool, model.tier, counting_prompt(), sizes.max_tokens)
+    common = {"tier": model.tier.value, "n_gpu_layers": n_gpu_layers}
+    with (
+        Child(f"raw {model.tier.value}", role="raw", **common) as raw,
+        Child(
+            f"pool {model.tier.value}", role="pool", workers=1, n_threads=THREADS, **common
+        ) as pool,
+    ):
+        gen.load_raw_s, gen.load_pool_s = raw.ready["load_s"], pool.ready["load_s"]
+        children = {"raw": raw, "pool": pool}
+        for child in children.values():  # warm-up (untimed): page the weights in
+            child.call(counting_prompt(), sizes.max_tokens)
         for rep in range(sizes.repeats):
             prompt = counting_prompt()
             print(f"  {model.tier.value}/{backend}: repeat {rep + 1}/{sizes.repeats}", flush=True)
-            for side in ("raw", "pool") if rep % 2 == 0 else ("pool", "raw"):
-                if side == "raw":
-                    sample, tokens = _raw_call(llm, prompt, sizes.max_tokens)
-                    gen.raw.add(sample)
-                    gen.raw_tokens.append(tokens)
+            for name in _alternate(rep):
+                figures = children[name].call(prompt, sizes.max_tokens)
+                if name == "raw":
+                    gen.raw.add(sample(figures))
                 else:
-                    sample, result = await _pool_call(pool, model.tier, prompt, sizes.max_tokens)
-                    gen.pool.add(sample)
-                    gen.pool_tokens.append(result.completion_tokens)
-                    gen.pool_ttft.append(result.ttft_seconds)
-                    gen.pool_queue.append(result.queue_seconds)
-                    gen.pool_overhead.append(sample.wall - result.total_seconds)
+                    gen.add_pool(figures)
         for rep in range(sizes.ttft_repeats):
             prompt = counting_prompt()
-            for side in ("raw", "pool") if rep % 2 == 0 else ("pool", "raw"):
-                if side == "raw":
-                    gen.raw_first.append(_raw_call(llm, prompt, 1)[0].wall)
+            for name in _alternate(rep):
+                wall = children[name].call(prompt, 1)["wall"]
+                (gen.raw_first if name == "raw" else gen.pool_first).append(wall)
+    return gen
+
+
+def measure_same_process(model: Model, sizes: Sizes) -> Generation:
+    """Diagnostic: raw on the main thread and a 1-worker pool in ONE process, alternating."""
+    gen = Generation(model.tier, model.entry.name, "cpu, one process", 0, sizes.max_tokens)
+    with Child(
+        f"same-process {model.tier.value}",
+        role="same-process",
+        tier=model.tier.value,
+        workers=1,
+        n_threads=THREADS,
+    ) as child:
+        for name in ("raw", "pool"):
+            child.call(counting_prompt(), sizes.max_tokens, side=name)
+        for rep in range(sizes.diag_repeats):
+            prompt = counting_prompt()
+            print(f"  same process: repeat {rep + 1}/{sizes.diag_repeats}", flush=True)
+            for name in _alternate(rep):
+                figures = child.call(prompt, sizes.max_tokens, side=name)
+                if name == "raw":
+                    gen.raw.add(sample(figures))
                 else:
-                    gen.pool_first.append((await _pool_call(pool, model.tier, prompt, 1))[0].wall)
-    finally:
-        await pool.close()
-        llm.close()
+                    gen.add_pool(figures)
     return gen
 
 
@@ -368,135 +576,73 @@ class Throughput:
     short_calls: int = 0  # results that stopped before max_tokens
 
 
-async def _burst(
-    pool: InferencePool, tier: Tier, n: int, max_tokens: int
-) -> tuple[Sample, int, int]:
-    """`n` requests at once; the timed sample, how many workers served them, how many stopped
-    short of max_tokens."""
-    prompts = [counting_prompt() for _ in range(n)]
-    with Clock() as clock:
-        results = await asyncio.gather(*(pool.infer(request(p, max_tokens), tier) for p in prompts))
-        clock.n = sum(r.completion_tokens for r in results)
-    assert clock.sample is not None
-    short = sum(1 for r in results if r.completion_tokens < max_tokens)
-    return clock.sample, len({r.worker for r in results}), short
-
-
-async def measure_throughput(model: Model, sizes: Sizes) -> list[Throughput]:
+def measure_throughput(model: Model, sizes: Sizes) -> list[Throughput]:
+    n, tokens = sizes.tp_requests, sizes.tp_max_tokens
     layouts = [
-        Throughput("1 worker x 2 threads", 1, THREADS, sizes.tp_requests, sizes.tp_max_tokens),
-        Throughput(
-            f"{THREADS} workers x 1 thread", THREADS, 1, sizes.tp_requests, sizes.tp_max_tokens
-        ),
+        Throughput("1 worker x 2 threads", 1, THREADS, n, tokens),
+        Throughput(f"{THREADS} workers x 1 thread", THREADS, 1, n, tokens),
     ]
-    queue = max(8, sizes.tp_requests)
-    pools = [
-        InferencePool([model.spec(workers=t.workers, n_threads=t.n_threads, queue=queue)])
-        for t in layouts
-    ]
-    try:
-        for pool in pools:
-            await start(pool)
-        for pool, layout in zip(pools, layouts, strict=True):  # warm-up: every worker once
-            await _burst(pool, model.tier, layout.workers, sizes.tp_max_tokens)
+    with contextlib.ExitStack() as stack:
+        children = [
+            stack.enter_context(
+                Child(
+                    t.label,
+                    role="pool",
+                    tier=model.tier.value,
+                    workers=t.workers,
+                    n_threads=t.n_threads,
+                    queue=n,
+                )
+            )
+            for t in layouts
+        ]
+        for child, layout in zip(children, layouts, strict=True):  # warm-up: every worker once
+            child.ask(
+                "burst",
+                prompts=[counting_prompt() for _ in range(layout.workers)],
+                max_tokens=tokens,
+            )
         for rep in range(sizes.tp_repeats):
             print(f"  throughput: repeat {rep + 1}/{sizes.tp_repeats}", flush=True)
-            order = [0, 1] if rep % 2 == 0 else [1, 0]
-            for i in order:
-                sample, used, short = await _burst(
-                    pools[i], model.tier, sizes.tp_requests, sizes.tp_max_tokens
+            for i in (0, 1) if rep % 2 == 0 else (1, 0):
+                figures = children[i].ask(
+                    "burst", prompts=[counting_prompt() for _ in range(n)], max_tokens=tokens
                 )
-                layouts[i].run.add(sample)
-                layouts[i].workers_used.append(used)
-                layouts[i].short_calls += short
-    finally:
-        for pool in pools:
-            await pool.close()
+                layouts[i].run.add(sample(figures))
+                layouts[i].workers_used.append(int(figures["workers_used"]))
+                layouts[i].short_calls += int(figures["short"])
     return layouts
 
 
 # -- (4): memory per worker, each layout in a fresh process ----------------------------------------
 
 
-def memory_now() -> dict[str, float]:
-    """This process's memory in MB: RSS, its anonymous and file-backed parts, and PSS."""
-    gc.collect()
-    proc = psutil.Process()
-    out: dict[str, float] = {"rss": proc.memory_info().rss / 2**20}
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile"):
-                out[key[3:].lower()] = int(value.split()[0]) / 1024  # kB
-    with contextlib.suppress(psutil.Error, AttributeError):
-        out["pss"] = proc.memory_full_info().pss / 2**20
-    return out
-
-
-async def _memory_probe(tier: Tier, workers: int, tokens: int) -> dict[str, Any]:
-    model = load_models()[tier]
-    n_threads = max(1, THREADS // workers)
-    spec = model.spec(workers=workers, n_threads=n_threads)
-    before = memory_now()
-    pool = InferencePool([spec])
-    await start(pool)
-    loaded = memory_now()
-    try:
-        results = await asyncio.gather(
-            *(pool.infer(request(counting_prompt(), tokens), tier) for _ in range(workers))
-        )
-        serving = memory_now()
-        used = len({r.worker for r in results})
-    finally:
-        await pool.close()
-    return {
-        "tier": tier.value,
-        "model": model.entry.name,
-        "workers": workers,
-        "n_threads": n_threads,
-        "workers_used": used,
-        "before": before,
-        "loaded": loaded,
-        "serving": serving,
-    }
-
-
-def memory_probe_main(arg: str) -> int:
-    """`--memory-probe TIER:WORKERS`: measure in this (fresh) process and print one JSON line."""
-    tier_name, _, workers = arg.partition(":")
-    tokens = int(os.environ.get("INFERENCE_BENCH_MEM_TOKENS", "8"))
-    out = asyncio.run(_memory_probe(Tier(tier_name), int(workers), tokens))
-    print(json.dumps(out))
-    return 0
-
-
 def measure_memory(sizes: Sizes) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    env = {**os.environ, "INFERENCE_BENCH_MEM_TOKENS": str(sizes.mem_tokens)}
     for tier in TIERS:
         for workers in (1, THREADS):
             print(f"  memory: {tier.value}, {workers} worker(s) in a fresh process", flush=True)
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.inference_bench",
-                    "--memory-probe",
-                    f"{tier}:{workers}",
-                ],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                rows.append({"tier": tier.value, "workers": workers, "error": " / ".join(tail)})
-                continue
-            rows.append(json.loads(lines[-1]))
+            n_threads = max(1, THREADS // workers)
+            row: dict[str, Any] = {"tier": tier.value, "workers": workers, "n_threads": n_threads}
+            try:
+                with Child(
+                    f"memory {tier.value} x{workers}",
+                    role="pool",
+                    tier=tier.value,
+                    workers=workers,
+                    n_threads=n_threads,
+                ) as child:
+                    prompts = [counting_prompt() for _ in range(workers)]
+                    burst = child.ask("burst", prompts=prompts, max_tokens=sizes.mem_tokens)
+                    row |= {
+                        "before": child.ready["before"],
+                        "loaded": child.ready["loaded"],
+                        "serving": child.ask("memory"),
+                        "workers_used": burst["workers_used"],
+                    }
+            except ChildFailed as exc:
+                row["error"] = str(exc)
+            rows.append(row)
     return rows
 
 
@@ -508,13 +654,14 @@ class Report:
     sizes: Sizes
     facts: dict[str, str]
     generation: list[Generation] = field(default_factory=list)
+    same_process: Generation | None = None
     throughput: list[Throughput] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
     gpu: bool = False
     wall: float = 0.0
 
 
-async def run_all(sizes: Sizes) -> Report:
+def run_all(sizes: Sizes) -> Report:
     t0 = time.perf_counter()
     facts = machine_facts()
     facts["loadavg_start"] = facts.pop("loadavg")
@@ -524,18 +671,20 @@ async def run_all(sizes: Sizes) -> Report:
     with contextlib.suppress(Exception):
         facts["llama_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
     report = Report(sizes, facts, gpu=gpu_offload_supported())
-    models = load_models()
+    models = {tier: load_model(tier) for tier in TIERS}
     for tier in TIERS:
         print(f"generation: {tier.value} ({models[tier].entry.name}), raw vs pool ...", flush=True)
-        report.generation.append(await measure_generation(models[tier], sizes))
+        report.generation.append(measure_generation(models[tier], sizes))
     if report.gpu:
         for tier in TIERS:
             print(f"generation on the GPU: {tier.value}, raw vs pool ...", flush=True)
-            report.generation.append(await measure_generation(models[tier], sizes, -1))
+            report.generation.append(measure_generation(models[tier], sizes, -1))
     print("throughput: mechanical, 1 worker vs 2 workers ...", flush=True)
-    report.throughput = await measure_throughput(models[Tier.MECHANICAL], sizes)
+    report.throughput = measure_throughput(models[Tier.MECHANICAL], sizes)
     print("memory per worker ...", flush=True)
-    report.memory = await asyncio.to_thread(measure_memory, sizes)
+    report.memory = measure_memory(sizes)
+    print("diagnostic: raw and pool in one process ...", flush=True)
+    report.same_process = measure_same_process(models[Tier.MECHANICAL], sizes)
     facts["loadavg"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     report.wall = time.perf_counter() - t0
     return report
@@ -555,14 +704,15 @@ def _ms(value: float) -> str:
     return "-" if value != value else f"{value * 1000:.1f}"
 
 
-def _tokens(values: Sequence[int], max_tokens: int) -> str:
+def _tokens(m: Measurement, max_tokens: int) -> str:
+    values = [s.n for s in m.samples]
     if not values:
         return "-"
     lo = min(values)
     return f"{max_tokens}" if lo == max_tokens else f"{lo}-{max(values)} of {max_tokens}"
 
 
-def _generation_table(r: Report) -> str:
+def _generation_table(gens: Sequence[Generation]) -> str:
     rows = [
         [
             g.tier.value,
@@ -572,10 +722,10 @@ def _generation_table(r: Report) -> str:
             _tps(g.pool),
             f"{g.ratio:.3f}",
             f"{g.paired_ratio:.3f}",
-            f"{_tokens(g.raw_tokens, g.max_tokens)} / {_tokens(g.pool_tokens, g.max_tokens)}",
+            f"{_tokens(g.raw, g.max_tokens)} / {_tokens(g.pool, g.max_tokens)}",
             f"{fmt_share(g.raw.other_share)} / {fmt_share(g.pool.other_share)}",
         ]
-        for g in r.generation
+        for g in gens
     ]
     return markdown_table(
         [
@@ -742,20 +892,21 @@ def render(r: Report) -> str:
             f" (which side goes first alternates too), max_tokens {s.max_tokens}, a counting"
             " prompt (different per repeat, the same for its raw and its pool call);"
             " tokens/s = completion_tokens / wall time around the call on both sides; medians."
-            " Raw: `Llama(...).create_completion` in the main thread; pool: `await"
-            " pool.infer(...)` to a 1-worker pool, so queueing, the thread hand-off and the"
-            " pool's per-token callback count against it. `paired` = median of the per-repeat"
-            " ratios.",
+            " Raw: `Llama(...).create_completion` on the main thread of its own process; pool:"
+            " `await pool.infer(...)` to a 1-worker pool in another process, so queueing, the"
+            " thread hand-off and the pool's per-token callback count against it. This process"
+            " drives both over pipes (outside the timed part) and loads no model. `paired` ="
+            " median of the per-repeat ratios.",
             f"- Throughput: {s.tp_requests} requests of max_tokens {s.tp_max_tokens} submitted"
             " at once (`asyncio.gather`); tokens/s = all completion tokens / wall time of the"
-            f" burst; medians of {s.tp_repeats}, layouts alternating; both layouts use"
-            f" {THREADS} threads in all.",
+            f" burst; medians of {s.tp_repeats}, layouts alternating, each layout in its own"
+            f" process; both use {THREADS} threads in all.",
             f"- Time to first token: `ttft_seconds` of the pool's generation calls (worker"
             " start to the first sampled token; excludes queueing); `wall - total_seconds` ="
             " what the pool adds around the model call; max_tokens=1 wall: medians of"
             f" {s.ttft_repeats} alternating calls per side.",
-            "- Memory: a fresh `python -m bench.inference_bench --memory-probe` process per row;"
-            " before = after imports, +loaded = after `pool.start()`, +serving = after one"
+            "- Memory: a fresh child process per row; before = after imports and the sha256"
+            " check, +loaded = after `pool.start()`, +serving = after one"
             f" max_tokens={s.mem_tokens} call per worker. Weights are mmap'd: RSS counts a"
             " file page once per mapping (so a second worker of the same model adds its"
             " weights to RSS again), PSS counts it once; anon RSS is the private part (KV"
@@ -764,7 +915,7 @@ def render(r: Report) -> str:
             "",
             "### Generation (tokens/s)",
             "",
-            _generation_table(r),
+            _generation_table(r.generation),
             "",
             "### Aggregate throughput",
             "",
@@ -781,6 +932,19 @@ def render(r: Report) -> str:
             "### Targets",
             "",
             targets,
+            "",
+            "### Diagnostic: raw and pool in one process (not a product figure)",
+            "",
+            f"The raw `Llama` called on the main thread and a 1-worker pool ({THREADS} threads)"
+            f" in the same process, alternating, mechanical tier, {s.diag_repeats} repeats each;"
+            " compare with the mechanical row above, where each side has a process of its own."
+            " This llama.cpp build links libgomp (OpenMP); with two OS threads of one process"
+            " running multi-threaded llama.cpp calls, libgomp manages more threads than there"
+            " are cores and stops spinning at its barriers (as far as we can tell), so both"
+            " sides slow down. Anything that calls llama.cpp outside the pool's workers inside"
+            " the appliance process would do the same to every worker.",
+            "",
+            _generation_table([r.same_process]) if r.same_process else "(not run)",
         ]
     )
 
@@ -847,6 +1011,17 @@ def to_json(r: Report) -> dict[str, Any]:
             }
             for t in r.throughput
         ],
+        "same_process_diagnostic": (
+            {
+                "raw_tokens_per_s": r.same_process.raw.median,
+                "pool_tokens_per_s": r.same_process.pool.median,
+                "pool_over_raw": r.same_process.ratio,
+                "raw": _samples(r.same_process.raw),
+                "pool": _samples(r.same_process.pool),
+            }
+            if r.same_process
+            else None
+        ),
         "memory": [
             {
                 **m,
@@ -865,16 +1040,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures here")
-    parser.add_argument("--memory-probe", metavar="TIER:WORKERS", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", metavar="CONFIG", help=argparse.SUPPRESS)  # a child side
     args = parser.parse_args(argv)
-    global STDIO
-    STDIO = Stdio()
     logging.basicConfig(level=logging.WARNING)
-    if args.memory_probe:
-        return memory_probe_main(args.memory_probe)
+    if args.serve:
+        return serve(json.loads(args.serve))
     sizes = QUICK if args.quick else FULL
 
-    report = asyncio.run(run_all(sizes))
+    report = run_all(sizes)
     text = render(report)
     print()
     print("## inference")
