@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from appliance import cli_models
+from appliance import cli_models, cli_spend
 from appliance.db.database import client_argv
 from appliance.db.migrate import migrate
 from appliance.db.schema_dump import dump_schema
@@ -254,10 +254,34 @@ def status_text(st: BusStatus) -> str:
 async def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     async with services(settings) as svc:
         st = await svc.bus.status()
+        today = await svc.spend.today(now=None)
+        month = cli_spend.cap_rows_json(await svc.spend.status(now=None))
+    spend: dict[str, Any] = {
+        "today": {
+            "spent": cli_spend._fmt(today.get("spent")),
+            "currency": today.get("currency"),
+            "joules": float(today.get("joules") or 0),
+            "calls": int(today.get("calls") or 0),
+            "provenance": sorted(today.get("provenance") or []),
+        },
+        "month": month,
+    }
     if args.json:
-        print(json.dumps(status_json(st), indent=2))
+        print(json.dumps({**status_json(st), "spend": spend}, indent=2))
     else:
         print(status_text(st))
+        t = spend["today"]
+        line = (
+            f"spend today: {t['spent']} {t['currency']} for {t['calls']} model calls, "
+            f"{t['joules']:.1f} J ({', '.join(t['provenance']) or 'no figures yet'})"
+        )
+        for row in month:
+            if row["scope"] == "appliance":
+                line += (
+                    f"; this month {row['spent']} of cap {row['cap']} {row['currency']}, "
+                    f"{row['reserved']} reserved"
+                )
+        print(line)
     return 0
 
 
@@ -344,7 +368,13 @@ async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
             counts = st.stages.get("support.reply", {})
             finished = counts.get("done", 0)
             print(status_text(st), end="\n\n", flush=True)
-            if finished >= args.count or time.monotonic() > deadline:
+            # Done when every ticket is answered, or nothing is left to run (the rest waits:
+            # held for budget at the cap, or for a model tier).
+            active = sum(
+                lc.counts[MessageStatus.PENDING] + lc.counts[MessageStatus.RUNNING]
+                for lc in st.lanes.values()
+            )
+            if finished >= args.count or active == 0 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(args.every)
         new = sum(1 for r in results if r.new)
@@ -355,13 +385,19 @@ async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
             source="demo-tickets",
             source_ids=[r.source_id for r in requests],
         )
-        print(f"answers ({len(rows)} of {new} tickets):")
-        for row in rows:
+        done_rows = [r for r in rows if r["status"] == MessageStatus.DONE]
+        print(f"answers ({len(done_rows)} of {new} tickets):")
+        for row in done_rows:
             answer = row["result"] or {}
             print(
                 f"  {answer.get('ticket')} [{answer.get('label')} -> {answer.get('queue')}] "
                 f"{answer.get('status')}: {answer.get('reply')}"
             )
+        waiting = await svc.store.waiting("demo")
+        if waiting:
+            print(f"waiting ({len(waiting)}):")
+            for w in waiting:
+                print(f"  {w['pipeline']}.{w['stage']} {w['source_id']}: {w['status_reason']}")
     return 0
 
 
@@ -426,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable")
 
     cli_models.add_parser(sub)
+    cli_spend.add_parser(sub)
+    cli_spend.add_energy_parser(sub)
 
     bus = sub.add_parser("bus", help="operate on messages")
     bs = bus.add_subparsers(dest="bus_action", required=True)
@@ -465,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "bus": cmd_bus,
             "runner": cmd_runner,
             "demo": cmd_demo,
+            "cap": cli_spend.cmd_cap,
+            "energy": cli_spend.cmd_energy,
         }[args.command]
         return asyncio.run(handler(settings, args))
     except ApplianceError as exc:

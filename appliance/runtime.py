@@ -3,26 +3,45 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from appliance.bus.core import Bus, BusConfig
+from appliance.bus.governor import Governor, GovernorConfig
 from appliance.bus.runner import Runner, RunnerConfig
 from appliance.db.cluster import LocalCluster, find_bindir
 from appliance.db.database import Database, Endpoints
 from appliance.db.listener import PgDoorbell
 from appliance.db.runner_store import PgRunnerStore
+from appliance.db.spend_store import PgCalibrationStore, PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.cost import Amortisation, Pricing, Tariff, TimeOfUse
 from appliance.domain.errors import ConfigurationError
+from appliance.domain.inference import InferenceRequest, Tier
 from appliance.domain.pipeline import Pipeline, Registry
 from appliance.domain.schedule import Schedule
 from appliance.inference.cache import ModelCache
 from appliance.inference.lockfile import ModelsLock, load_lock
 from appliance.inference.pool import InferencePool, TierSpec
+from appliance.metering.meter import Meter
+from appliance.metering.sources import (
+    EnergySource,
+    EstimateSource,
+    NvmlSource,
+    RaplSource,
+    ThreadCpu,
+    choose_source,
+    process_cpu_seconds,
+)
 from appliance.pipelines.registry import BUILT_IN
 from appliance.scheduler import Maintenance
 from appliance.settings import Settings
@@ -80,6 +99,7 @@ class Services:
     bus: Bus
     store: PgRunnerStore
     tenants: PgTenantStore
+    spend: PgSpendStore
 
 
 @asynccontextmanager
@@ -92,7 +112,11 @@ async def services(settings: Settings, ends: Endpoints | None = None) -> AsyncIt
     try:
         store = PgRunnerStore(db)
         yield Services(
-            db=db, bus=Bus(store, bus_config(settings)), store=store, tenants=PgTenantStore(db)
+            db=db,
+            bus=Bus(store, bus_config(settings)),
+            store=store,
+            tenants=PgTenantStore(db),
+            spend=PgSpendStore(db),
         )
     finally:
         await db.close()
@@ -165,11 +189,96 @@ def tier_specs(settings: Settings) -> list[TierSpec]:
     return specs
 
 
-def build_pool(settings: Settings) -> InferencePool | None:
+def build_meter(settings: Settings) -> Meter:
+    """The energy meter: a counter (NVML, RAPL) when one is usable, else the labelled estimate
+    from the CPU time of this process at the configured watts."""
+    m = settings.metering
+    estimate = EstimateSource(
+        m.idle_watts, m.watts_per_busy_core, process_cpu_seconds, time.monotonic()
+    )
+    source: EnergySource
+    if m.source == "estimate":
+        source = estimate
+    elif m.source == "auto":
+        source, skipped = choose_source(estimate)
+        for name, why in skipped:
+            log.info("energy source %s not used: %s", name, why)
+    else:
+        source = NvmlSource() if m.source == "nvml" else RaplSource()
+        usable, why = source.available()
+        if not usable:
+            raise ConfigurationError(f"metering.source={m.source}: {why}")
+    if source.provenance == "estimated":
+        log.warning(
+            "no energy counter here: energy figures are ESTIMATES (%.1f W idle + %.1f W per busy "
+            "core) and are labelled so",
+            m.idle_watts,
+            m.watts_per_busy_core,
+        )
+        return Meter(source, ThreadCpu(), {"cpu": m.idle_watts}, call_device="cpu")
+    devices = list(source.read(time.monotonic()).joules)
+    calls_on = [d for d in devices if d.startswith(("gpu", "package"))] or devices
+    return Meter(source, ThreadCpu(), {}, call_device=calls_on)
+
+
+def build_pool(settings: Settings, meter: Meter | None = None) -> InferencePool | None:
     """The runner's pool, or None when inference is off for this runner."""
     if not settings.inference.enabled:
         return None
-    return InferencePool(tier_specs(settings))
+    return InferencePool(tier_specs(settings), meter=meter)
+
+
+async def tick_meter(meter: Meter, every: float, stop: asyncio.Event) -> None:
+    """Sample the meter steadily (calls also sample it as they begin and end)."""
+    while not stop.is_set():
+        try:
+            await asyncio.to_thread(meter.tick)
+        except Exception:
+            log.exception("energy sample failed")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(every):
+                await stop.wait()
+
+
+def tariff(settings: Settings) -> Tariff:
+    sp = settings.spend
+    return Tariff(
+        currency=sp.currency,
+        price_per_kwh=sp.price_per_kwh,
+        time_of_use=tuple(TimeOfUse(b.start, b.end, b.price_per_kwh) for b in sp.time_of_use),
+        overhead=sp.power_overhead,
+    )
+
+
+async def pricing(settings: Settings, db: Database) -> Pricing:
+    """How calls are priced: calibrated joules per token per model file, then the settings."""
+    per_token: dict[str, Decimal] = {}
+    for row in await PgCalibrationStore(db).all():
+        per_token[str(row["model"])] = Decimal(row["joules_per_token"])
+    per_token.update(settings.spend.joules_per_token)
+    return Pricing(
+        tariff=tariff(settings),
+        joules_per_token=per_token,
+        default_joules_per_token=settings.spend.default_joules_per_token,
+        safety_factor=settings.spend.safety_factor,
+    )
+
+
+async def configure_spend(settings: Settings, spend: PgSpendStore) -> None:
+    """The ledger's settings from this process's settings; the cap only when none is set."""
+    sp = settings.spend
+    try:
+        ZoneInfo(sp.time_zone)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise ConfigurationError(f"spend.time_zone: unknown time zone {sp.time_zone!r}") from exc
+    await spend.configure(
+        time_zone=sp.time_zone,
+        currency=sp.currency,
+        interactive_share=sp.interactive_share,
+        alert_fractions=sp.alert_fractions,
+        amortisation_monthly=Amortisation(sp.amortisation_price, sp.amortisation_months).monthly(),
+    )
+    await spend.default_cap(sp.monthly_cap)
 
 
 def runner_config(settings: Settings) -> RunnerConfig:
@@ -186,6 +295,7 @@ def runner_config(settings: Settings) -> RunnerConfig:
         claim_batch=r.claim_batch,
         reclaim_every=timedelta(seconds=r.reclaim_interval_seconds),
         capability_wait=timedelta(seconds=r.capability_wait_seconds),
+        max_hops=r.max_hops,
     )
 
 
@@ -194,12 +304,20 @@ async def run_runner(settings: Settings, stop: asyncio.Event) -> None:
     pipelines, schedules = load_pipelines(settings)
     config = runner_config(settings)
     # Models first: a missing or corrupted model stops the runner before it touches the bus.
-    pool = build_pool(settings)
+    meter = build_meter(settings) if settings.inference.enabled else None
+    pool = build_pool(settings, meter)
+    ticking = None
     if pool is not None:
         await pool.start()
+    if meter is not None:
+        ticking = asyncio.create_task(
+            tick_meter(meter, settings.metering.sample_seconds, stop), name="energy-sampler"
+        )
     try:
         await _serve(settings, pipelines, schedules, config, pool, stop)
     finally:
+        if ticking is not None:
+            ticking.cancel()
         if pool is not None:
             await pool.close()
 
@@ -219,6 +337,16 @@ async def _serve(
         store = PgRunnerStore(db)
         bus = Bus(store, bus_config(settings))
         await store.sync_pipelines(pipelines)
+        spend: PgSpendStore | None = None
+        governor: Governor | None = None
+        if settings.spend.enabled:
+            spend = PgSpendStore(db)
+            await configure_spend(settings, spend)
+            governor = Governor(
+                spend,
+                GovernorConfig(await pricing(settings, db), ZoneInfo(settings.spend.time_zone)),
+                actor=config.worker_id,
+            )
         doorbell = PgDoorbell(ends.system) if settings.runner.listen else None
         maintenance = Maintenance(
             bus,
@@ -229,6 +357,7 @@ async def _serve(
             expire_every=timedelta(seconds=settings.runner.expire_interval_seconds),
             archive_every=timedelta(seconds=settings.runner.archive_interval_seconds),
             archive_retention=timedelta(days=settings.runner.archive_retention_days),
+            spend=spend,
         )
         runner = Runner(
             store,
@@ -237,6 +366,7 @@ async def _serve(
             doorbell=doorbell,
             retry=settings.bus.retry,
             inference=pool,
+            governor=governor,
         )
         maintenance.start()
         log.info(
@@ -251,3 +381,71 @@ async def _serve(
             maintenance.shutdown()
     finally:
         await db.close()
+
+
+CALIBRATION_PROMPT = "Count slowly from one to one hundred, one number per line:\n1\n2\n3\n"
+
+
+async def calibrate(
+    settings: Settings, *, calls: int = 3, max_tokens: int = 64
+) -> list[dict[str, Any]]:
+    """Measure idle power and joules per generated token of each tier's model with the chosen
+    energy source (an estimate here, labelled so), and store them for pricing.
+
+    Joules per token is the energy of whole calls over their generated tokens only: prompt
+    tokens are far cheaper, so pricing every token of a call at this figure is conservative.
+    """
+    meter = build_meter(settings)
+    pool = InferencePool(tier_specs(settings), meter=meter)
+    await pool.start()
+    figures: list[dict[str, Any]] = []
+    try:
+        # Idle: two samples with nothing running.
+        meter.tick()
+        before = meter.totals()
+        t0 = time.monotonic()
+        await asyncio.sleep(2.0)
+        meter.tick()
+        idle_watts = (meter.totals()["measured"] - before["measured"]) / (time.monotonic() - t0)
+        for tier in sorted(pool.available(), key=lambda t: t.rank):
+            info = pool.describe(tier)
+            assert info is not None
+            joules = 0.0
+            tokens = 0
+            provenance: str = meter.provenance
+            for i in range(calls):
+                result = await pool.infer(
+                    InferenceRequest(
+                        "health_check" if tier is Tier.MECHANICAL else "evaluate",
+                        prompt=CALIBRATION_PROMPT + f"{4 + i}\n",
+                        max_tokens=max_tokens,
+                    ),
+                    tier,
+                )
+                joules += result.energy_joules or 0.0
+                tokens += result.completion_tokens
+                provenance = result.energy_provenance or provenance
+            if tokens == 0 or joules <= 0:
+                raise ConfigurationError(f"calibration of {info.model} measured nothing")
+            figures.append(
+                {
+                    "model": info.model,
+                    "sha256": info.sha256,
+                    "joules_per_token": Decimal(str(round(joules / tokens, 6))),
+                    "idle_watts": Decimal(str(round(idle_watts, 3))),
+                    "tokens": tokens,
+                    "provenance": provenance,
+                    "source": meter.source.name,
+                }
+            )
+    finally:
+        await pool.close()
+    db = Database(endpoints(settings), min_size=1, max_size=2)
+    await db.open()
+    try:
+        store = PgCalibrationStore(db)
+        for figure in figures:
+            await store.save(**figure)
+    finally:
+        await db.close()
+    return figures

@@ -14,6 +14,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from appliance.bus.core import Bus
 from appliance.db.runner_store import PgRunnerStore
+from appliance.db.spend_store import PgSpendStore
 from appliance.domain.ports import Doorbell
 from appliance.domain.schedule import Schedule
 
@@ -81,8 +82,12 @@ class Maintenance:
         archive_every: timedelta = timedelta(seconds=60),
         archive_retention: timedelta = timedelta(days=7),
         archive_batch: int = 1000,
+        spend: PgSpendStore | None = None,
+        month_check_every: timedelta = timedelta(seconds=30),
     ) -> None:
         self.bus = bus
+        self.spend = spend
+        self._month: object = None
         self.store = store
         self.doorbell = doorbell
         self.schedules = list(schedules)
@@ -100,6 +105,12 @@ class Maintenance:
             self.archive, IntervalTrigger(seconds=archive_every.total_seconds()), **every
         )
         self.scheduler.add_job(self.listener_health, IntervalTrigger(seconds=10), **every)
+        if spend is not None:
+            self.scheduler.add_job(
+                self.month_rollover,
+                IntervalTrigger(seconds=month_check_every.total_seconds()),
+                **every,
+            )
         for schedule in self.schedules:
             self.scheduler.add_job(self.fire, schedule_trigger(schedule), args=[schedule], **every)
         self.reclaimed = 0
@@ -120,6 +131,29 @@ class Maintenance:
                 log.info("reclaimed %d expired leases", len(ids))
         except Exception:
             log.exception("reclaim failed")
+        if self.spend is not None:
+            # A dead lease's spend hold goes with it: nothing stays reserved for work that stopped.
+            try:
+                released = await self.spend.release_dead(batch=500, now=None)
+                if released:
+                    log.info("released %d spend holds of dead leases", released)
+            except Exception:
+                log.exception("releasing dead spend holds failed")
+
+    async def month_rollover(self) -> None:
+        """A new month (by the database clock, in the ledger's time zone) resumes the messages
+        held for budget: the month's cap starts afresh."""
+        assert self.spend is not None
+        try:
+            month = await self.spend.month(now=None)
+            if month != self._month:
+                await self.spend.platform_month(now=None)
+            if self._month is not None and month != self._month:
+                n = await self.spend.resume_budget(reason=f"month_rollover: {month}", now=None)
+                log.info("month %s began: resumed %d messages held for budget", month, n)
+            self._month = month
+        except Exception:
+            log.exception("month rollover check failed")
 
     async def expire(self) -> None:
         try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import time, timedelta
+from decimal import Decimal
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -90,6 +92,8 @@ class RunnerSettings(BaseModel):
     archive_retention_days: float = Field(default=7.0, ge=0)
     # How long model work may wait for its tier (waiting_capability) before it expires.
     capability_wait_seconds: float = Field(default=3600.0, gt=0)
+    # Hand-offs a message may be from its run's start (a pipeline's budget may say fewer).
+    max_hops: int = Field(default=1000, ge=1)
     pipelines: list[str] = Field(default_factory=lambda: ["demo", "support"])
     # Extra modules whose PIPELINES (and optional SCHEDULES) lists the runner serves too.
     pipeline_modules: list[str] = Field(default_factory=list)
@@ -134,6 +138,52 @@ class InferenceSettings(BaseModel):
         return self.tiers.get(tier) or TierSettings()
 
 
+class TimeOfUseBand(BaseModel):
+    """A price for local hours [start, end), for example 07:00-23:00 at the day rate."""
+
+    start: time
+    end: time
+    price_per_kwh: Decimal = Field(ge=0)
+
+
+class SpendSettings(BaseModel):
+    """Money: the tariff, the monthly cap and how conservatively a call is priced."""
+
+    enabled: bool = True
+    # Applied once, when no cap is set yet (`appliance cap set` changes it afterwards).
+    monthly_cap: Decimal = Field(default=Decimal("10.00"), ge=0)
+    currency: str = Field(default="EUR", pattern=r"^[A-Z]{3}$")
+    price_per_kwh: Decimal = Field(default=Decimal("0.30"), ge=0)
+    time_of_use: list[TimeOfUseBand] = Field(default_factory=list)
+    # Measured device energy times this is the wall energy (supply losses, cooling); 1.0 takes
+    # the figure as measured or estimated.
+    power_overhead: Decimal = Field(default=Decimal("1.0"), ge=1)
+    amortisation_price: Decimal = Field(default=Decimal(0), ge=0)
+    amortisation_months: int = Field(default=36, ge=1)
+    # Month boundaries are taken in this zone, by the database clock.
+    time_zone: str = "UTC"
+    # The share of the cap only interactive work may use.
+    interactive_share: Decimal = Field(default=Decimal("0.2"), ge=0, le=1)
+    alert_fractions: list[Decimal] = Field(
+        default_factory=lambda: [Decimal("0.5"), Decimal("0.8"), Decimal("0.95")]
+    )
+    # A call reserves its worst case times this (the cap stays conservative with estimates).
+    safety_factor: Decimal = Field(default=Decimal("1.5"), ge=1)
+    # Joules per token when a model has no calibration; None refuses such calls.
+    default_joules_per_token: Decimal | None = Field(default=Decimal("2.0"), gt=0)
+    joules_per_token: dict[str, Decimal] = Field(default_factory=dict)
+
+
+class MeteringSettings(BaseModel):
+    """Where energy figures come from: a counter when one exists, else an honest estimate."""
+
+    source: Literal["auto", "nvml", "rapl", "estimate"] = "auto"
+    # The estimate: idle watts of the box plus watts per fully busy core of inference threads.
+    idle_watts: float = Field(default=10.0, ge=0)
+    watts_per_busy_core: float = Field(default=15.0, ge=0)
+    sample_seconds: float = Field(default=1.0, gt=0)
+
+
 class Settings(BaseSettings):
     """All settings. Nested fields read APPLIANCE_<SECTION>__<FIELD>; a few have short names."""
 
@@ -146,6 +196,8 @@ class Settings(BaseSettings):
     bus: BusSettings = Field(default_factory=BusSettings)
     runner: RunnerSettings = Field(default_factory=RunnerSettings)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
+    spend: SpendSettings = Field(default_factory=SpendSettings)
+    metering: MeteringSettings = Field(default_factory=MeteringSettings)
 
     # The documented short names (APPLIANCE_DATABASE_URL, APPLIANCE_PG_BINDIR) win over nested ones.
     database_url: str | None = Field(

@@ -357,6 +357,265 @@ $$;
 ALTER FUNCTION appliance.idempotency_key(source text, source_id text, stage text) OWNER TO appliance_owner;
 
 --
+-- Name: run_budget_adjust(text, text, text, jsonb); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) RETURNS void
+    LANGUAGE sql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+    UPDATE run_budgets r
+    SET used = (SELECT jsonb_object_agg(k, greatest(0, coalesce((r.used ->> k)::numeric, 0)
+                                                   + coalesce((p_delta ->> k)::numeric, 0)))
+                FROM (SELECT jsonb_object_keys(r.used) AS k) AS keys)
+    WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id
+$$;
+
+ALTER FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) OWNER TO appliance_owner;
+
+--
+-- Name: run_budget_reserve(text, text, text, text, jsonb, numeric, boolean, jsonb, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    at timestamptz := coalesce(p_now, now());
+    b run_budgets;
+    d text;
+    lim numeric;
+    usable numeric;
+BEGIN
+    INSERT INTO run_budgets (tenant, source, source_id, pipeline, limits, verification_reserve,
+                             started_at)
+    VALUES (p_tenant, p_source, p_source_id, p_pipeline, p_limits, p_reserve, at)
+    ON CONFLICT DO NOTHING;
+    SELECT * INTO b FROM run_budgets
+    WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id
+    FOR UPDATE;
+    IF b.limits ? 'wall_seconds'
+       AND extract(epoch FROM at - b.started_at) > (b.limits ->> 'wall_seconds')::numeric THEN
+        UPDATE run_budgets SET exhausted = coalesce(exhausted, 'wall_time')
+        WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id;
+        RETURN 'wall_time';
+    END IF;
+    FOR d IN SELECT jsonb_object_keys(p_ask) ORDER BY 1 LOOP
+        CONTINUE WHEN NOT b.limits ? d;
+        lim := (b.limits ->> d)::numeric;
+        usable := CASE WHEN p_verification THEN lim ELSE lim * (1 - b.verification_reserve) END;
+        IF coalesce((b.used ->> d)::numeric, 0) + (p_ask ->> d)::numeric > usable THEN
+            UPDATE run_budgets SET exhausted = coalesce(exhausted, d)
+            WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id;
+            RETURN d;
+        END IF;
+    END LOOP;
+    UPDATE run_budgets r
+    SET used = (SELECT jsonb_object_agg(k, coalesce((r.used ->> k)::numeric, 0)
+                                            + coalesce((p_ask ->> k)::numeric, 0))
+                FROM (SELECT jsonb_object_keys(r.used) AS k
+                      UNION SELECT jsonb_object_keys(p_ask)) AS keys)
+    WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id;
+    RETURN NULL;
+END
+$$;
+
+ALTER FUNCTION appliance.run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
+-- Name: spend_month(timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.spend_month(p_at timestamp with time zone) RETURNS date
+    LANGUAGE sql STABLE
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+    SELECT date_trunc('month', p_at AT TIME ZONE (SELECT time_zone FROM spend_config))::date
+$$;
+
+ALTER FUNCTION appliance.spend_month(p_at timestamp with time zone) OWNER TO appliance_owner;
+
+--
+-- Name: spend_platform_month(timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.spend_platform_month(p_now timestamp with time zone) RETURNS numeric
+    LANGUAGE plpgsql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    at timestamptz := coalesce(p_now, now());
+    m date := spend_month(at);
+    amount numeric := (SELECT amortisation_monthly FROM spend_config);
+BEGIN
+    IF amount <= 0 THEN
+        RETURN 0;
+    END IF;
+    INSERT INTO spend_ledger (month, status, amount, note, created_at, settled_at)
+    VALUES (m, 'platform', amount, 'amortisation', at, at)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    INSERT INTO spend_months (month, scope, created_at) VALUES (m, 'appliance', at)
+    ON CONFLICT DO NOTHING;
+    UPDATE spend_months SET spent = spent + amount WHERE month = m AND scope = 'appliance';
+    RETURN amount;
+END
+$$;
+
+ALTER FUNCTION appliance.spend_platform_month(p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
+-- Name: spend_release_dead(integer, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp with time zone) RETURNS integer
+    LANGUAGE plpgsql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    n integer := 0;
+    h record;
+BEGIN
+    FOR h IN
+        SELECT l.id
+        FROM spend_ledger l
+        LEFT JOIN agent_messages m ON m.id = l.message_id
+        WHERE l.status = 'reserved'
+          AND (m.id IS NULL OR m.status <> 'running' OR m.lease_token IS DISTINCT FROM l.lease_token)
+        ORDER BY l.id
+        LIMIT p_batch
+        FOR UPDATE OF l SKIP LOCKED
+    LOOP
+        PERFORM spend_settle(h.id, 0, NULL, NULL, 'released', 'lease gone: released by the reclaimer',
+                             p_now);
+        n := n + 1;
+    END LOOP;
+    RETURN n;
+END
+$$;
+
+ALTER FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
+-- Name: spend_reserve(text, appliance.lane, numeric, bigint, bigint, text, text, text, text, text, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) RETURNS TABLE(hold_id bigint, refusal text, month date, cap numeric, spent numeric, reserved numeric)
+    LANGUAGE plpgsql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    cfg spend_config;
+    at timestamptz := coalesce(p_now, now());
+    m date;
+    scopes text[] := ARRAY['appliance', 'tenant:' || p_tenant];
+    r record;
+    lim numeric;
+    hold bigint;
+BEGIN
+    IF p_amount IS NULL OR p_amount <= 0 THEN
+        RAISE EXCEPTION 'spend_reserve: the amount must be > 0 (a call that cannot be priced '
+                        'is refused)';
+    END IF;
+    SELECT * INTO cfg FROM spend_config;
+    m := spend_month(at);
+    -- The month's rows start once (a rollover creates them on its first reservation).
+    INSERT INTO spend_months (month, scope, created_at)
+    SELECT m, s, at FROM unnest(scopes) AS s
+    ON CONFLICT DO NOTHING;
+    FOR r IN
+        SELECT sm.scope, sm.spent, sm.reserved, c.monthly_cap
+        FROM spend_months sm
+        LEFT JOIN spend_caps c ON c.scope = sm.scope
+        WHERE sm.month = m AND sm.scope = ANY(scopes)
+        ORDER BY sm.scope
+        FOR UPDATE OF sm
+    LOOP
+        IF r.monthly_cap IS NULL THEN
+            IF r.scope = 'appliance' THEN
+                RETURN QUERY SELECT NULL::bigint,
+                    'money: no monthly cap is set (appliance cap set AMOUNT)'::text, m,
+                    NULL::numeric, r.spent, r.reserved;
+                RETURN;
+            END IF;
+            CONTINUE;  -- a tenant without a cap of its own is bounded by the appliance's
+        END IF;
+        lim := r.monthly_cap;
+        IF r.scope = 'appliance' AND p_lane <> 'interactive' THEN
+            lim := r.monthly_cap * (1 - cfg.interactive_share);
+        END IF;
+        IF r.spent + r.reserved + p_amount > lim THEN
+            RETURN QUERY SELECT NULL::bigint,
+                CASE WHEN r.scope = 'appliance' AND p_lane <> 'interactive'
+                     THEN format('money: %s work may use %s of the appliance cap %s %s '
+                                 '(the rest is kept for interactive work)',
+                                 p_lane, 1 - cfg.interactive_share, r.monthly_cap, cfg.currency)
+                     WHEN r.scope = 'appliance'
+                     THEN format('money: appliance monthly cap %s %s', r.monthly_cap,
+                                 cfg.currency)
+                     ELSE format('money: %s monthly cap %s %s', r.scope, r.monthly_cap,
+                                 cfg.currency) END,
+                m, lim, r.spent, r.reserved;
+            RETURN;
+        END IF;
+    END LOOP;
+    UPDATE spend_months sm SET reserved = sm.reserved + p_amount
+    WHERE sm.month = m AND sm.scope = ANY(scopes);
+    INSERT INTO spend_ledger (month, tenant, lane, message_id, lease_token, pipeline, stage, kind,
+                              model, tier, status, reserved, created_at)
+    VALUES (m, p_tenant, p_lane, p_message_id, p_lease_token, p_pipeline, p_stage, p_kind,
+            p_model, p_tier, 'reserved', p_amount, at)
+    RETURNING id INTO hold;
+    RETURN QUERY SELECT hold, NULL::text, m, NULL::numeric, NULL::numeric, NULL::numeric;
+END
+$$;
+
+ALTER FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
+-- Name: spend_settle(bigint, numeric, double precision, text, text, text, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) RETURNS numeric
+    LANGUAGE plpgsql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    at timestamptz := coalesce(p_now, now());
+    h record;
+BEGIN
+    IF p_status NOT IN ('settled', 'released') THEN
+        RAISE EXCEPTION 'spend_settle: status must be settled or released, not %', p_status;
+    END IF;
+    UPDATE spend_ledger l
+    SET status = p_status, amount = p_amount, energy_joules = p_energy,
+        provenance = p_provenance, settled_at = at, note = coalesce(p_note, l.note)
+    WHERE l.id = p_hold AND l.status = 'reserved'
+    RETURNING l.month, l.tenant, l.reserved INTO h;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    UPDATE spend_months sm
+    SET reserved = sm.reserved - h.reserved, spent = sm.spent + p_amount
+    WHERE sm.month = h.month AND sm.scope IN ('appliance', 'tenant:' || h.tenant);
+    INSERT INTO spend_alerts (month, scope, fraction, spent, cap, at)
+    SELECT sm.month, sm.scope, f, sm.spent, c.monthly_cap, at
+    FROM spend_months sm
+    JOIN spend_caps c ON c.scope = sm.scope
+    CROSS JOIN unnest((SELECT alert_fractions FROM spend_config)) AS f
+    WHERE sm.month = h.month AND sm.scope IN ('appliance', 'tenant:' || h.tenant)
+      AND c.monthly_cap > 0 AND sm.spent >= f * c.monthly_cap
+    ON CONFLICT DO NOTHING;
+    RETURN p_amount;
+END
+$$;
+
+ALTER FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
 -- Name: tenants_runtime_row(); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -497,6 +756,27 @@ CREATE SEQUENCE appliance.agent_messages_lease_token_seq
 ALTER TABLE appliance.agent_messages_lease_token_seq OWNER TO appliance_owner;
 
 --
+-- Name: energy_calibration; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.energy_calibration (
+    model text NOT NULL,
+    sha256 text NOT NULL,
+    joules_per_token numeric NOT NULL,
+    idle_watts numeric NOT NULL,
+    tokens integer NOT NULL,
+    provenance text NOT NULL,
+    source text NOT NULL,
+    measured_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT energy_calibration_idle_watts_check CHECK ((idle_watts >= (0)::numeric)),
+    CONSTRAINT energy_calibration_joules_per_token_check CHECK ((joules_per_token > (0)::numeric)),
+    CONSTRAINT energy_calibration_provenance_check CHECK ((provenance = ANY (ARRAY['measured'::text, 'estimated'::text, 'replayed'::text]))),
+    CONSTRAINT energy_calibration_tokens_check CHECK ((tokens > 0))
+);
+
+ALTER TABLE appliance.energy_calibration OWNER TO appliance_owner;
+
+--
 -- Name: idempotency_keys; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
@@ -632,6 +912,27 @@ CREATE TABLE appliance.pipeline_stages (
 ALTER TABLE appliance.pipeline_stages OWNER TO appliance_owner;
 
 --
+-- Name: run_budgets; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.run_budgets (
+    tenant text NOT NULL,
+    source text NOT NULL,
+    source_id text NOT NULL,
+    pipeline text NOT NULL,
+    limits jsonb NOT NULL,
+    verification_reserve numeric NOT NULL,
+    used jsonb DEFAULT '{}'::jsonb NOT NULL,
+    started_at timestamp with time zone NOT NULL,
+    exhausted text,
+    CONSTRAINT run_budgets_verification_reserve_check CHECK (((verification_reserve >= (0)::numeric) AND (verification_reserve <= (1)::numeric)))
+);
+
+ALTER TABLE ONLY appliance.run_budgets FORCE ROW LEVEL SECURITY;
+
+ALTER TABLE appliance.run_budgets OWNER TO appliance_owner;
+
+--
 -- Name: runners; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
@@ -665,6 +966,117 @@ CREATE TABLE appliance.schema_migrations (
 );
 
 ALTER TABLE appliance.schema_migrations OWNER TO appliance_owner;
+
+--
+-- Name: spend_alerts; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.spend_alerts (
+    month date NOT NULL,
+    scope text NOT NULL,
+    fraction numeric NOT NULL,
+    spent numeric NOT NULL,
+    cap numeric NOT NULL,
+    at timestamp with time zone NOT NULL
+);
+
+ALTER TABLE appliance.spend_alerts OWNER TO appliance_owner;
+
+--
+-- Name: spend_caps; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.spend_caps (
+    scope text NOT NULL,
+    monthly_cap numeric NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_by text DEFAULT 'bus'::text NOT NULL,
+    CONSTRAINT spend_caps_monthly_cap_check CHECK ((monthly_cap >= (0)::numeric)),
+    CONSTRAINT spend_caps_scope_check CHECK (((scope = 'appliance'::text) OR (scope ~~ 'tenant:%'::text)))
+);
+
+ALTER TABLE appliance.spend_caps OWNER TO appliance_owner;
+
+--
+-- Name: spend_config; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.spend_config (
+    id boolean DEFAULT true NOT NULL,
+    time_zone text DEFAULT 'UTC'::text NOT NULL,
+    currency text DEFAULT 'EUR'::text NOT NULL,
+    interactive_share numeric DEFAULT 0.2 NOT NULL,
+    alert_fractions numeric[] DEFAULT '{0.5,0.8,0.95}'::numeric[] NOT NULL,
+    amortisation_monthly numeric DEFAULT 0 NOT NULL,
+    CONSTRAINT spend_config_amortisation_monthly_check CHECK ((amortisation_monthly >= (0)::numeric)),
+    CONSTRAINT spend_config_id_check CHECK (id),
+    CONSTRAINT spend_config_interactive_share_check CHECK (((interactive_share >= (0)::numeric) AND (interactive_share <= (1)::numeric)))
+);
+
+ALTER TABLE appliance.spend_config OWNER TO appliance_owner;
+
+--
+-- Name: spend_ledger; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.spend_ledger (
+    id bigint NOT NULL,
+    month date NOT NULL,
+    tenant text,
+    lane appliance.lane,
+    message_id bigint,
+    lease_token bigint,
+    pipeline text,
+    stage text,
+    kind text,
+    model text,
+    tier text,
+    status text NOT NULL,
+    reserved numeric DEFAULT 0 NOT NULL,
+    amount numeric DEFAULT 0 NOT NULL,
+    energy_joules double precision,
+    provenance text,
+    note text,
+    created_at timestamp with time zone NOT NULL,
+    settled_at timestamp with time zone,
+    CONSTRAINT spend_ledger_amount_check CHECK ((amount >= (0)::numeric)),
+    CONSTRAINT spend_ledger_provenance_check CHECK ((provenance = ANY (ARRAY['measured'::text, 'estimated'::text, 'replayed'::text]))),
+    CONSTRAINT spend_ledger_reserved_check CHECK ((reserved >= (0)::numeric)),
+    CONSTRAINT spend_ledger_status_check CHECK ((status = ANY (ARRAY['reserved'::text, 'settled'::text, 'released'::text, 'platform'::text])))
+);
+
+ALTER TABLE ONLY appliance.spend_ledger FORCE ROW LEVEL SECURITY;
+
+ALTER TABLE appliance.spend_ledger OWNER TO appliance_owner;
+
+--
+-- Name: spend_ledger_id_seq; Type: SEQUENCE; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE appliance.spend_ledger ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME appliance.spend_ledger_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
+-- Name: spend_months; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.spend_months (
+    month date NOT NULL,
+    scope text NOT NULL,
+    spent numeric DEFAULT 0 NOT NULL,
+    reserved numeric DEFAULT 0 NOT NULL,
+    created_at timestamp with time zone NOT NULL,
+    CONSTRAINT spend_months_reserved_check CHECK ((reserved >= (0)::numeric)),
+    CONSTRAINT spend_months_spent_check CHECK ((spent >= (0)::numeric))
+);
+
+ALTER TABLE appliance.spend_months OWNER TO appliance_owner;
 
 --
 -- Name: stage_routes; Type: TABLE; Schema: appliance; Owner: appliance_owner
@@ -721,6 +1133,13 @@ ALTER TABLE ONLY appliance.agent_messages
     ADD CONSTRAINT agent_messages_pkey PRIMARY KEY (id);
 
 --
+-- Name: energy_calibration energy_calibration_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.energy_calibration
+    ADD CONSTRAINT energy_calibration_pkey PRIMARY KEY (model, sha256);
+
+--
 -- Name: idempotency_keys idempotency_keys_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
 --
 
@@ -756,6 +1175,13 @@ ALTER TABLE ONLY appliance.pipeline_stages
     ADD CONSTRAINT pipeline_stages_pkey PRIMARY KEY (pipeline, stage);
 
 --
+-- Name: run_budgets run_budgets_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.run_budgets
+    ADD CONSTRAINT run_budgets_pkey PRIMARY KEY (tenant, source, source_id);
+
+--
 -- Name: runners runners_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
 --
 
@@ -768,6 +1194,41 @@ ALTER TABLE ONLY appliance.runners
 
 ALTER TABLE ONLY appliance.schema_migrations
     ADD CONSTRAINT schema_migrations_pkey PRIMARY KEY (version);
+
+--
+-- Name: spend_alerts spend_alerts_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.spend_alerts
+    ADD CONSTRAINT spend_alerts_pkey PRIMARY KEY (month, scope, fraction);
+
+--
+-- Name: spend_caps spend_caps_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.spend_caps
+    ADD CONSTRAINT spend_caps_pkey PRIMARY KEY (scope);
+
+--
+-- Name: spend_config spend_config_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.spend_config
+    ADD CONSTRAINT spend_config_pkey PRIMARY KEY (id);
+
+--
+-- Name: spend_ledger spend_ledger_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.spend_ledger
+    ADD CONSTRAINT spend_ledger_pkey PRIMARY KEY (id);
+
+--
+-- Name: spend_months spend_months_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.spend_months
+    ADD CONSTRAINT spend_months_pkey PRIMARY KEY (month, scope);
 
 --
 -- Name: stage_routes stage_routes_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -881,6 +1342,30 @@ CREATE INDEX message_transitions_lease_expired_at_idx ON appliance.message_trans
 CREATE INDEX message_transitions_message_id_idx ON appliance.message_transitions USING btree (message_id, id);
 
 --
+-- Name: spend_ledger_amortisation_once; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE UNIQUE INDEX spend_ledger_amortisation_once ON appliance.spend_ledger USING btree (month) WHERE ((status = 'platform'::text) AND (note = 'amortisation'::text));
+
+--
+-- Name: spend_ledger_message_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX spend_ledger_message_idx ON appliance.spend_ledger USING btree (message_id);
+
+--
+-- Name: spend_ledger_month_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX spend_ledger_month_idx ON appliance.spend_ledger USING btree (month, tenant);
+
+--
+-- Name: spend_ledger_reserved_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX spend_ledger_reserved_idx ON appliance.spend_ledger USING btree (message_id) WHERE (status = 'reserved'::text);
+
+--
 -- Name: agent_messages_archive_default_id_idx; Type: INDEX ATTACH; Schema: appliance; Owner: appliance_owner
 --
 
@@ -923,6 +1408,20 @@ ALTER TABLE ONLY appliance.agent_messages
 
 ALTER TABLE ONLY appliance.inference_calls
     ADD CONSTRAINT inference_calls_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
+
+--
+-- Name: run_budgets run_budgets_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.run_budgets
+    ADD CONSTRAINT run_budgets_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
+
+--
+-- Name: spend_ledger spend_ledger_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.spend_ledger
+    ADD CONSTRAINT spend_ledger_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
 
 --
 -- Name: stage_routes stage_routes_pipeline_next_stage_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -1036,6 +1535,42 @@ CREATE POLICY message_transitions_bus_machinery ON appliance.message_transitions
 CREATE POLICY message_transitions_tenant_isolation ON appliance.message_transitions TO appliance_app USING ((tenant = appliance.current_tenant()));
 
 --
+-- Name: run_budgets; Type: ROW SECURITY; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE appliance.run_budgets ENABLE ROW LEVEL SECURITY;
+
+--
+-- Name: run_budgets run_budgets_bus_machinery; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY run_budgets_bus_machinery ON appliance.run_budgets TO appliance_owner, appliance_system USING (true) WITH CHECK (true);
+
+--
+-- Name: run_budgets run_budgets_tenant_isolation; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY run_budgets_tenant_isolation ON appliance.run_budgets TO appliance_app USING ((tenant = appliance.current_tenant()));
+
+--
+-- Name: spend_ledger; Type: ROW SECURITY; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE appliance.spend_ledger ENABLE ROW LEVEL SECURITY;
+
+--
+-- Name: spend_ledger spend_ledger_bus_machinery; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY spend_ledger_bus_machinery ON appliance.spend_ledger TO appliance_owner, appliance_system USING (true) WITH CHECK (true);
+
+--
+-- Name: spend_ledger spend_ledger_tenant_isolation; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY spend_ledger_tenant_isolation ON appliance.spend_ledger TO appliance_app USING ((tenant = appliance.current_tenant()));
+
+--
 -- Name: SCHEMA appliance; Type: ACL; Schema: -; Owner: appliance_owner
 --
 
@@ -1064,6 +1599,48 @@ GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, sta
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_system;
 
 --
+-- Name: FUNCTION run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) TO appliance_system;
+
+--
+-- Name: FUNCTION run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION spend_month(p_at timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.spend_month(p_at timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION spend_platform_month(p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.spend_platform_month(p_now timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION spend_release_dead(p_batch integer, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) TO appliance_system;
+
+--
 -- Name: TABLE agent_messages; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1090,6 +1667,13 @@ GRANT USAGE ON SEQUENCE appliance.agent_messages_id_seq TO appliance_system;
 
 GRANT USAGE ON SEQUENCE appliance.agent_messages_lease_token_seq TO appliance_app;
 GRANT USAGE ON SEQUENCE appliance.agent_messages_lease_token_seq TO appliance_system;
+
+--
+-- Name: TABLE energy_calibration; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.energy_calibration TO appliance_app;
+GRANT SELECT,INSERT,UPDATE ON TABLE appliance.energy_calibration TO appliance_system;
 
 --
 -- Name: TABLE idempotency_keys; Type: ACL; Schema: appliance; Owner: appliance_owner
@@ -1127,11 +1711,53 @@ GRANT SELECT ON TABLE appliance.pipeline_stages TO appliance_app;
 GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE appliance.pipeline_stages TO appliance_system;
 
 --
+-- Name: TABLE run_budgets; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.run_budgets TO appliance_app;
+GRANT SELECT,INSERT,UPDATE ON TABLE appliance.run_budgets TO appliance_system;
+
+--
 -- Name: TABLE runners; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.runners TO appliance_system;
 GRANT SELECT ON TABLE appliance.runners TO appliance_app;
+
+--
+-- Name: TABLE spend_alerts; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.spend_alerts TO appliance_app;
+GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_alerts TO appliance_system;
+
+--
+-- Name: TABLE spend_caps; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.spend_caps TO appliance_app;
+GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_caps TO appliance_system;
+
+--
+-- Name: TABLE spend_config; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.spend_config TO appliance_app;
+GRANT SELECT,UPDATE ON TABLE appliance.spend_config TO appliance_system;
+
+--
+-- Name: TABLE spend_ledger; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.spend_ledger TO appliance_app;
+GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_ledger TO appliance_system;
+
+--
+-- Name: TABLE spend_months; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.spend_months TO appliance_app;
+GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_months TO appliance_system;
 
 --
 -- Name: TABLE stage_routes; Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -14,14 +14,17 @@ import logging
 import os
 import random
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
+from appliance.bus.governor import Admission, Governor
 from appliance.bus.slots import LaneSlots
-from appliance.domain.envelope import Lane, LeaseRef, Message
+from appliance.domain.budget import BudgetExhausted, BudgetHeld
+from appliance.domain.envelope import EnqueueRequest, Lane, LeaseRef, Message
 from appliance.domain.inference import (
     TIER_ORDER,
     CallCancelled,
@@ -29,6 +32,7 @@ from appliance.domain.inference import (
     CallRecord,
     CapabilityUnavailable,
     DeadlineExceeded,
+    InferenceError,
     InferenceRequest,
     InferenceResult,
     InferenceService,
@@ -77,6 +81,11 @@ class RunnerConfig:
     capability_wait: timedelta = timedelta(hours=1)
     # Kept free at the end of a stage for writing its result: a model call must end earlier.
     persist_margin: timedelta = timedelta(seconds=2)
+    # How many hand-offs a message may be from its run's start (a pipeline's budget may say
+    # fewer): bounds a message that keeps re-enqueueing itself.
+    max_hops: int = 1000
+    # How long a message may wait in held_budget before it expires.
+    budget_hold_max: timedelta = timedelta(days=32)
 
     @property
     def heartbeat_every(self) -> timedelta:
@@ -126,6 +135,8 @@ class RunnerStats:
     polls: int = 0
     parked: int = 0
     resumed: int = 0
+    held_budget: int = 0
+    budget_exhausted: int = 0
 
 
 class Runner:
@@ -142,9 +153,11 @@ class Runner:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         rng: random.Random | None = None,
         inference: InferenceService | None = None,
+        governor: Governor | None = None,
     ) -> None:
         self.store = store
         self.inference = inference
+        self.governor = governor
         self.registry = registry
         self.config = config or RunnerConfig()
         self.doorbell = doorbell
@@ -369,12 +382,16 @@ class Runner:
         async def inferrer(request: InferenceRequest) -> InferenceResult:
             return await self._infer(attempt_ref[0], request)
 
+        async def writer(count: int) -> None:
+            await self._reserve_run(attempt_ref[0], {"writes": count})
+
         context = StageContext(
             message,
             deadline=self._deadline_of(message),
             cancelled=cancelled,
             clock=self.clock,
             inferrer=inferrer if self.inference is not None else None,
+            writer=writer,
         )
         attempt = _Attempt(message=message, context=context, cancelled=cancelled)
         attempt_ref.append(attempt)
@@ -396,6 +413,7 @@ class Runner:
                     attempt, f"no handler registered for {message.pipeline}.{message.stage}"
                 )
                 return
+            await self._check_run(attempt)
             if stage.tier is not None and self._route_stage(stage) is None:
                 await self._park(attempt, stage.task_kind, stage.tier)
                 return
@@ -420,6 +438,8 @@ class Runner:
                     f"{type(result).__name__}, not a StageResult (use ctx.finish(...))",
                 )
                 return
+            if attempt.context.spawned:
+                await self._enqueue_spawned(attempt)
             attempt.acked = True
             self._acks.append((attempt, Completion(attempt.lease, result.result, result.outcome)))
             self._ack_ready.set()
@@ -435,6 +455,13 @@ class Runner:
             # No tier allowed to do this work is up: it waits, visibly, and is never sent to a
             # weaker model. Not a failure: the attempt is not counted.
             await self._park(attempt, exc.kind, exc.tier)
+        except BudgetHeld as exc:
+            # No hold against the monthly cap: it waits for a raised cap or a new month. Never a
+            # retry (that would be a storm against a closed cap).
+            await self._hold_budget(attempt, exc.reason)
+        except BudgetExhausted as exc:
+            # The run used up a dimension of its budget: the message ends, naming it.
+            await self._terminate(attempt, str(exc))
         except Exception as exc:
             log.warning("handler %s.%s failed: %r", message.pipeline, message.stage, exc)
             await self._fail(attempt, f"{type(exc).__name__}: {exc}")
@@ -465,9 +492,27 @@ class Runner:
                 raise DeadlineExceeded("no time left in the stage for a model call")
             control.start_deadline = time.monotonic() + left
             control.timeout = left
+        admission: Admission | None = None
+        if self.governor is not None:
+            info = self.inference.describe(found.tier)
+            if info is None:
+                raise CapabilityUnavailable(request.kind, found.min_tier)
+            pipeline = self.registry.pipeline(message.pipeline)
+            stage = self.registry.stage(message.pipeline, message.stage)
+            admission = await self.governor.admit(
+                message,
+                budget=pipeline.budget if pipeline is not None else None,
+                verification=bool(stage and stage.verification),
+                request=request,
+                route=found,
+                model=info,
+            )
         status, error, result = "ok", None, None
+        energy: float | None = None
+        provenance: str | None = None
         try:
             result = await self.inference.infer(request, found.tier, control)
+            energy, provenance = result.energy_joules, result.energy_provenance
             return dataclasses.replace(result, route=found)
         except CallCancelled as exc:
             status, error = "cancelled", str(exc)
@@ -485,6 +530,24 @@ class Runner:
             status, error = "error", f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            if isinstance(sys.exc_info()[1], InferenceError):
+                failed_with = sys.exc_info()[1]
+                energy = getattr(failed_with, "energy_joules", None)
+                provenance = getattr(failed_with, "energy_provenance", None)
+            if admission is not None and self.governor is not None:
+                try:
+                    await self.governor.settle(
+                        message,
+                        admission,
+                        energy_joules=energy,
+                        provenance=provenance,
+                        completion_tokens=result.completion_tokens if result else 0,
+                        prompt_tokens=result.prompt_tokens if result else 0,
+                        failed=result is None,
+                    )
+                except Exception:
+                    # The hold stays reserved; the reclaimer releases it once the lease is gone.
+                    log.exception("could not settle the spend of message %s", message.id)
             record = CallRecord(
                 message_id=message.id,
                 tenant=message.tenant,
@@ -508,6 +571,84 @@ class Runner:
                 await self.store.record_call(record)
             except Exception:
                 log.exception("could not record a model call of message %s", message.id)
+
+    async def _check_run(self, attempt: _Attempt) -> None:
+        """Before a stage runs: the hop limit, then one step of its run's budget."""
+        message = attempt.message
+        pipeline = self.registry.pipeline(message.pipeline)
+        budget = pipeline.budget if pipeline is not None else None
+        max_hops = self.config.max_hops
+        if budget is not None and budget.max_hops is not None:
+            max_hops = min(max_hops, budget.max_hops)
+        if message.hops > max_hops:
+            raise BudgetExhausted("hops", f"{message.hops} hand-offs, limit {max_hops}")
+        if budget is not None and self.governor is not None:
+            stage = self.registry.stage(message.pipeline, message.stage)
+            await self.governor.reserve_steps(
+                message, budget, verification=bool(stage and stage.verification), ask={"steps": 1}
+            )
+
+    async def _reserve_run(self, attempt: _Attempt, ask: dict[str, object]) -> None:
+        message = attempt.message
+        pipeline = self.registry.pipeline(message.pipeline)
+        if pipeline is None or pipeline.budget is None or self.governor is None:
+            return
+        stage = self.registry.stage(message.pipeline, message.stage)
+        await self.governor.reserve_steps(
+            message, pipeline.budget, verification=bool(stage and stage.verification), ask=ask
+        )
+
+    async def _enqueue_spawned(self, attempt: _Attempt) -> None:
+        """Follow-up work, enqueued before the completion is acknowledged (a retried attempt
+        finds its keys taken and enqueues nothing twice)."""
+        message = attempt.message
+        requests = [
+            EnqueueRequest.build(
+                tenant=message.tenant,
+                pipeline=message.pipeline,
+                stage=spawn.stage,
+                source=message.source,
+                source_id=spawn.source_id,
+                directive=spawn.directive or message.directive,
+                context=spawn.context,
+                hops=message.hops + 1,
+            )
+            for spawn in attempt.context.spawned
+        ]
+        await self.store.enqueue(
+            requests, retention=timedelta(days=90), default_max_attempts=5, now=None
+        )
+
+    async def _hold_budget(self, attempt: _Attempt, reason: str) -> None:
+        if self.governor is None:
+            return
+        try:
+            held = await self.governor.spend.hold_budget(
+                attempt.lease,
+                reason=reason,
+                expires_at=self.clock() + self.config.budget_hold_max,
+                actor=self.config.worker_id,
+                now=None,
+            )
+            if held:
+                self.stats.held_budget += 1
+        except Exception:
+            log.exception("could not hold message %s for budget", attempt.message.id)
+
+    async def _terminate(self, attempt: _Attempt, reason: str) -> None:
+        try:
+            if self.governor is not None:
+                done = await self.governor.spend.terminate(
+                    attempt.lease, reason=reason, actor=self.config.worker_id, now=None
+                )
+            else:
+                done = False
+            if not done:
+                await self._fail(attempt, reason)
+            else:
+                self.stats.budget_exhausted += 1
+        except Exception:
+            log.exception("could not end message %s (%s)", attempt.message.id, reason)
 
     def _model_of(self, tier: Tier) -> str:
         assert self.inference is not None
@@ -752,6 +893,8 @@ class Runner:
                 "wakeups_rung": self.stats.wakeups_rung,
                 "polls": self.stats.polls,
                 "parked": self.stats.parked,
+                "held_budget": self.stats.held_budget,
+                "budget_exhausted": self.stats.budget_exhausted,
                 "resumed": self.stats.resumed,
                 "inference": self.inference.stats() if self.inference is not None else None,
             },

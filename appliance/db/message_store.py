@@ -420,6 +420,12 @@ class PgMessageStore:
             cur = await conn.execute(q("stage_outputs"), params)
             return list(await cur.fetchall())
 
+    async def waiting(self, tenant: str, *, limit: int = 100) -> list[dict[str, Any]]:
+        """The tenant's messages in a waiting state, with the reason each waits."""
+        async with self.db.tenant_tx(tenant) as conn:
+            cur = await conn.execute(q("messages_waiting"), {"limit": limit})
+            return list(await cur.fetchall())
+
     async def status(self, *, now: datetime | None = None) -> BusStatus:
         """Counts by lane and status, and the ages that show stuck work."""
         async with self.db.system_conn() as conn:

@@ -290,6 +290,11 @@ class Message:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def hops(self) -> int:
+        """Hand-offs since its run's first message (a column later migrations added)."""
+        return int(self.extra.get("hops") or 0)
+
+    @property
     def lease(self) -> LeaseRef:
         """The lease this message was claimed under (only meaningful while running)."""
         if self.lease_token is None:

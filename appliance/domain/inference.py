@@ -123,6 +123,18 @@ class InferenceResult:
     worker: str = ""
     route: Route | None = None
     data: Any = None
+    # The call's share of measured (or estimated) device energy, and where the figure came from.
+    energy_joules: float | None = None
+    energy_provenance: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What serves a tier: the model, its hash and the context it was loaded with."""
+
+    model: str
+    sha256: str
+    n_ctx: int
 
 
 @dataclass(frozen=True)
@@ -153,7 +165,10 @@ class CallRecord:
 
 
 class InferenceError(ApplianceError):
-    """A call failed; the pool goes on serving."""
+    """A call failed; the pool goes on serving. `energy_joules`: what it used before failing."""
+
+    energy_joules: float | None = None
+    energy_provenance: str | None = None
 
 
 class CapabilityUnavailable(InferenceError):
@@ -215,6 +230,10 @@ class InferenceService(Protocol):
         """Requests the tier holds at most: live workers plus its queue bound (0: down)."""
         ...
 
+    def describe(self, tier: Tier) -> ModelInfo | None:
+        """The model serving `tier` (None: the tier is down)."""
+        ...
+
     def subscribe(self, callback: Callable[[], None]) -> None:
         """Call `callback` (on the event loop) when availability or room may have changed."""
         ...
@@ -228,6 +247,24 @@ class InferenceService(Protocol):
     def stats(self) -> dict[str, Any]:
         """Per-tier counters named as llama.cpp's server names them."""
         ...
+
+
+class EnergyFigure(Protocol):
+    """A call's energy as a meter reports it."""
+
+    @property
+    def joules(self) -> float: ...
+
+    @property
+    def provenance(self) -> str: ...
+
+
+class CallMeter(Protocol):
+    """What the pool needs of a meter: mark a call's start on its thread, and its end."""
+
+    def begin(self, call_id: str, native_id: int) -> None: ...
+
+    def end(self, call_id: str) -> EnergyFigure: ...
 
 
 def as_messages(items: Sequence[Mapping[str, str] | ChatMessage]) -> tuple[ChatMessage, ...]:

@@ -16,8 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from appliance.domain.budget import RunBudget
 from appliance.domain.envelope import NAME_RE, JSONValue, Lane, Message
-from appliance.domain.errors import ConfigurationError
+from appliance.domain.errors import ConfigurationError, InvalidInput
 from appliance.domain.inference import (
     ChatMessage,
     InferenceRequest,
@@ -42,6 +43,16 @@ class StageResult:
 Inferrer = Callable[[InferenceRequest], Awaitable[InferenceResult]]
 
 
+@dataclass(frozen=True)
+class Spawn:
+    """Follow-up work a handler asked for (enqueued when its stage completes)."""
+
+    stage: str
+    source_id: str
+    context: JSONValue
+    directive: str | None
+
+
 class StageContext:
     """What a handler sees: its message, tenant, cancellation, deadline, models, how to finish."""
 
@@ -53,6 +64,7 @@ class StageContext:
         cancelled: asyncio.Event,
         clock: Callable[[], datetime],
         inferrer: Inferrer | None = None,
+        writer: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self.message = message
         self.tenant = message.tenant
@@ -60,7 +72,33 @@ class StageContext:
         self._cancelled = cancelled
         self._clock = clock
         self._inferrer = inferrer
+        self._writer = writer
         self.cancel_reason: str | None = None
+        self.spawned: list[Spawn] = []
+
+    def spawn(
+        self,
+        stage: str,
+        source_id: str,
+        *,
+        context: JSONValue = None,
+        directive: str | None = None,
+    ) -> None:
+        """Enqueue follow-up work of this pipeline when this stage completes (one hop further
+        from the run's start; the hop limit stops a message that keeps re-enqueueing itself).
+        Enqueued before the completion is recorded, keyed (source, source id, stage): a retried
+        attempt enqueues nothing twice."""
+        if not NAME_RE.match(stage):
+            raise InvalidInput("stage", f"{stage!r} is not a valid stage name")
+        self.spawned.append(Spawn(stage, source_id, context, directive))
+
+    async def reserve_write(self, count: int = 1) -> None:
+        """Reserve `count` external writes against the run's budget before doing them
+        (BudgetExhausted when they do not fit: the write must not happen)."""
+        if count < 1:
+            raise InvalidInput("count", "must be >= 1")
+        if self._writer is not None:
+            await self._writer(count)
 
     async def infer(
         self,
@@ -151,6 +189,8 @@ class Stage:
     # The stage calls a model (ctx.infer) for its task kind: the runner claims it only when the
     # tier that kind needs has room, and parks it in waiting_capability while no such tier is up.
     uses_model: bool = False
+    # A verification or cleanup stage: it may use its run budget's verification reserve.
+    verification: bool = False
 
     @property
     def tier(self) -> Tier | None:
@@ -164,6 +204,8 @@ class Pipeline:
 
     name: str
     stages: tuple[Stage, ...]
+    # The budget of each run (source, source id) of this pipeline; None: only the monthly cap.
+    budget: RunBudget | None = None
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -233,6 +275,9 @@ class Registry:
     @property
     def pipelines(self) -> list[Pipeline]:
         return list(self._pipelines.values())
+
+    def pipeline(self, name: str) -> Pipeline | None:
+        return self._pipelines.get(name)
 
     def stage(self, pipeline: str, stage: str) -> Stage | None:
         found = self._pipelines.get(pipeline)

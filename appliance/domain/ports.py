@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Protocol
 
+from appliance.domain.budget import Refusal
 from appliance.domain.envelope import (
     EnqueueRequest,
     EnqueueResult,
@@ -214,6 +216,78 @@ class RunnerStore(MessageStore, Protocol):
     async def register_runner(self, info: dict[str, Any]) -> None: ...
 
     async def report_runner(self, info: dict[str, Any]) -> None: ...
+
+
+class SpendStore(Protocol):
+    """The spend ledger: holds against the monthly cap, settlement, run budgets, and the
+    messages parked for budget. Every check-and-hold is one atomic statement."""
+
+    async def reserve(
+        self,
+        *,
+        tenant: str,
+        lane: Lane,
+        amount: Decimal,
+        lease: LeaseRef | None,
+        pipeline: str | None,
+        stage: str | None,
+        kind: str | None,
+        model: str | None,
+        tier: str | None,
+        now: datetime | None,
+    ) -> int | Refusal: ...
+
+    async def settle(
+        self,
+        hold: int,
+        *,
+        amount: Decimal,
+        energy_joules: float | None,
+        provenance: str | None,
+        released: bool,
+        note: str | None,
+        now: datetime | None,
+    ) -> Decimal | None: ...
+
+    async def release_dead(self, *, batch: int, now: datetime | None) -> int: ...
+
+    async def hold_budget(
+        self,
+        lease: LeaseRef,
+        *,
+        reason: str,
+        expires_at: datetime,
+        actor: str,
+        now: datetime | None,
+    ) -> bool: ...
+
+    async def resume_budget(
+        self, *, reason: str, actor: str, batch: int, now: datetime | None
+    ) -> int: ...
+
+    async def terminate(
+        self, lease: LeaseRef, *, reason: str, actor: str, now: datetime | None
+    ) -> bool: ...
+
+    async def run_reserve(
+        self,
+        *,
+        tenant: str,
+        source: str,
+        source_id: str,
+        pipeline: str,
+        limits: dict[str, Any],
+        reserve: Decimal,
+        verification: bool,
+        ask: dict[str, Any],
+        now: datetime | None,
+    ) -> str | None: ...
+
+    async def run_adjust(
+        self, *, tenant: str, source: str, source_id: str, delta: dict[str, Any]
+    ) -> None: ...
+
+    async def month(self, *, now: datetime | None) -> Any: ...
 
 
 class Doorbell(Protocol):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,11 +32,13 @@ from appliance.domain.errors import ConfigurationError
 from appliance.domain.inference import (
     CallCancelled,
     CallControl,
+    CallMeter,
     CapabilityUnavailable,
     DeadlineExceeded,
     InferenceError,
     InferenceRequest,
     InferenceResult,
+    ModelInfo,
     QueueFull,
     Tier,
 )
@@ -58,6 +61,9 @@ class TierSpec:
     n_threads: int | None = None  # None: the cores split evenly over every worker of the pool
     n_gpu_layers: int = 0
     queue: int = 8
+
+
+_LOAD_LOCK = threading.Lock()
 
 
 def gpu_offload_supported() -> bool:
@@ -135,10 +141,18 @@ class _Worker(threading.Thread):
         self.alive = False
         self.busy = False
         self.load_error: str | None = None
+        self.calls = 0
         self._guard = threading.Lock()
 
     def _build(self) -> None:
         spec = self.tier.spec
+        # One load at a time in the process: with verbose=False, Llama() points the process's
+        # stdout/stderr at /dev/null while it loads and restores them afterwards, which is not
+        # thread-safe; two loads at once can leave the whole process silenced.
+        with _LOAD_LOCK:
+            self._load(spec)
+
+    def _load(self, spec: TierSpec) -> None:
         self.llama = llama_cpp.Llama(
             model_path=str(spec.path),
             n_ctx=min(spec.n_ctx, spec.context_length),
@@ -181,13 +195,47 @@ class _Worker(threading.Thread):
 
     def _serve(self, job: _Job) -> None:
         try:
-            outcome = self._serve_one(job)
+            outcome = self._metered(job)
         finally:
             # Free before the caller hears back: a caller that submits again at once must see
             # this worker idle (room and capacity are read right after a result arrives).
             self.busy = False
         job.resolve(outcome)
         self.tier.changed()
+
+    def _metered(self, job: _Job) -> InferenceResult | InferenceError:
+        """Serve a job with the meter running: its energy rides on the result or the error."""
+        meter = self.tier.meter
+        if meter is None:
+            return self._serve_one(job)
+        self.calls += 1
+        call_id = f"{self.name}:{self.calls}"
+        try:
+            meter.begin(call_id, threading.get_native_id())
+        except Exception:
+            log.exception("%s: the meter failed; this call is charged its reservation", self.name)
+            return self._serve_one(job)
+        outcome: InferenceResult | InferenceError | None = None
+        try:
+            outcome = self._serve_one(job)
+            return outcome
+        finally:
+            try:
+                energy = meter.end(call_id)
+            except Exception:
+                log.exception("%s: the meter failed at the end of a call", self.name)
+            else:
+                if isinstance(outcome, InferenceResult):
+                    outcome = dataclasses.replace(
+                        outcome,
+                        energy_joules=energy.joules,
+                        energy_provenance=energy.provenance,
+                    )
+                elif outcome is not None:
+                    outcome.energy_joules = energy.joules
+                    outcome.energy_provenance = energy.provenance
+            if outcome is not None:
+                return outcome  # noqa: B012 - the metered outcome replaces the plain one
 
     def _serve_one(self, job: _Job) -> InferenceResult | InferenceError:
         tier = self.tier
@@ -316,8 +364,15 @@ class _Worker(threading.Thread):
 class TierPool:
     """One tier: its workers, its bounded queue and its counters."""
 
-    def __init__(self, spec: TierSpec, n_threads: int, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        spec: TierSpec,
+        n_threads: int,
+        on_change: Callable[[], None],
+        meter: CallMeter | None = None,
+    ) -> None:
         self.spec = spec
+        self.meter = meter
         self.n_threads = n_threads
         self.stats = TierStats()
         self.spans: collections.deque[CallSpan] = collections.deque(maxlen=1000)
@@ -459,8 +514,11 @@ class TierPool:
 class InferencePool:
     """Every tier's pool; implements the bus's InferenceService port."""
 
-    def __init__(self, specs: list[TierSpec], *, cores: int | None = None) -> None:
+    def __init__(
+        self, specs: list[TierSpec], *, cores: int | None = None, meter: CallMeter | None = None
+    ) -> None:
         cores = cores or os.cpu_count() or 1
+        self.meter = meter
         total = sum(s.workers for s in specs)
         tiers = [s.tier for s in specs]
         if len(set(tiers)) != len(tiers):
@@ -476,7 +534,7 @@ class InferencePool:
         self._subscribers: list[Callable[[], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tiers: dict[Tier, TierPool] = {
-            s.tier: TierPool(s, threads[s.tier], self._changed) for s in specs
+            s.tier: TierPool(s, threads[s.tier], self._changed, meter) for s in specs
         }
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -514,7 +572,7 @@ class InferencePool:
         if spec.tier in self._tiers:
             raise ConfigurationError(f"inference: tier {spec.tier.value} is already up")
         threads = spec.n_threads or max(1, (os.cpu_count() or 1) // max(1, spec.workers))
-        pool = TierPool(spec, threads, self._changed)
+        pool = TierPool(spec, threads, self._changed, self.meter)
         self._tiers[spec.tier] = pool
         pool.start()
         await asyncio.to_thread(pool.wait_loaded, 300.0)
@@ -544,6 +602,13 @@ class InferencePool:
     def room(self, tier: Tier) -> int:
         pool = self._tiers.get(tier)
         return pool.room() if pool is not None else 0
+
+    def describe(self, tier: Tier) -> ModelInfo | None:
+        pool = self._tiers.get(tier)
+        if pool is None or pool.alive == 0:
+            return None
+        spec = pool.spec
+        return ModelInfo(spec.model, spec.sha256, min(spec.n_ctx, spec.context_length))
 
     def capacity(self, tier: Tier) -> int:
         pool = self._tiers.get(tier)

@@ -192,3 +192,11 @@ FROM agent_messages m
 WHERE m.pipeline = %(pipeline)s AND m.stage = %(stage)s AND m.source = %(source)s
   AND m.source_id = ANY(%(source_ids)s::text[])
 ORDER BY m.source_id, m.id DESC;
+
+-- name: messages_waiting :many
+-- A tenant's messages waiting for something (approval, budget, a model tier), with why (row-level security limits it to the transaction's tenant).
+SELECT m.id, m.pipeline, m.stage, m.source_id, m.status, m.status_reason, m.deadline
+FROM agent_messages m
+WHERE m.status IN ('awaiting_approval', 'held_budget', 'waiting_capability')
+ORDER BY m.id
+LIMIT %(limit)s;

@@ -1,0 +1,214 @@
+"""Admission control for model calls: reserve before work, settle after, in one place.
+
+Before a call: the run's budget (tokens, calls, money) and the monthly cap each get a
+reservation of the call's worst case; a call that cannot be priced is refused. After the call:
+both settle to what it really used (the cap to the cost of its measured or estimated energy).
+A refusal never causes a retry: the runner parks the message (held_budget) or ends it
+(budget_exhausted: X).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+from zoneinfo import ZoneInfo
+
+from appliance.domain.budget import BudgetExhausted, BudgetHeld, Refusal, RunBudget
+from appliance.domain.cost import CallEstimate, Pricing
+from appliance.domain.envelope import Message
+from appliance.domain.errors import ConfigurationError
+from appliance.domain.inference import InferenceRequest, ModelInfo, Route
+from appliance.domain.ports import SpendStore
+
+log = logging.getLogger("appliance.governor")
+
+# Chat templates wrap each message in a few tokens of markup.
+TEMPLATE_TOKENS_PER_MESSAGE = 16
+
+
+def prompt_token_bound(request: InferenceRequest) -> int:
+    """An upper bound on the request's prompt tokens without a tokenizer: a token is at least
+    one byte of UTF-8 (plus a start token and the chat template's markup)."""
+    if request.prompt is not None:
+        return len(request.prompt.encode()) + 2
+    return (
+        sum(
+            len(m.content.encode()) + len(m.role) + TEMPLATE_TOKENS_PER_MESSAGE
+            for m in request.messages
+        )
+        + TEMPLATE_TOKENS_PER_MESSAGE
+    )
+
+
+@dataclass
+class Admission:
+    """What was reserved for one call, to be settled when it ends."""
+
+    hold: int | None
+    estimate: CallEstimate
+    run_ask: dict[str, object] | None
+
+
+@dataclass(frozen=True)
+class GovernorConfig:
+    pricing: Pricing
+    time_zone: ZoneInfo = field(default_factory=lambda: ZoneInfo("UTC"))
+
+
+class Governor:
+    """The bus's one place where model work is priced, reserved and settled."""
+
+    def __init__(
+        self,
+        spend: SpendStore,
+        config: GovernorConfig,
+        *,
+        actor: str,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.spend = spend
+        self.config = config
+        self.actor = actor
+        self.clock = clock
+
+    async def admit(
+        self,
+        message: Message,
+        *,
+        budget: RunBudget | None,
+        verification: bool,
+        request: InferenceRequest,
+        route: Route,
+        model: ModelInfo,
+    ) -> Admission:
+        """Reserve the call's worst case against the run budget and the monthly cap, or raise
+        BudgetExhausted / BudgetHeld. Nothing is held when it raises."""
+        try:
+            estimate = self.config.pricing.worst_case(
+                model.model, prompt_token_bound(request), request.max_tokens, model.n_ctx
+            )
+        except ConfigurationError as exc:
+            raise BudgetHeld(f"held_budget: money: {exc}") from exc
+        run_ask: dict[str, object] | None = None
+        if budget is not None:
+            run_ask = {"tokens": estimate.tokens, "calls": 1, "money": estimate.amount}
+            exhausted = await self.spend.run_reserve(
+                tenant=message.tenant,
+                source=message.source,
+                source_id=message.source_id,
+                pipeline=message.pipeline,
+                limits=budget.limits(),
+                reserve=budget.verification_reserve,
+                verification=verification,
+                ask=run_ask,
+                now=None,
+            )
+            if exhausted is not None:
+                raise BudgetExhausted(exhausted, f"a {request.kind} call asked {run_ask}")
+        try:
+            hold = await self.spend.reserve(
+                tenant=message.tenant,
+                lane=message.lane,
+                amount=estimate.amount,
+                lease=message.lease,
+                pipeline=message.pipeline,
+                stage=message.stage,
+                kind=request.kind,
+                model=model.model,
+                tier=route.tier.value,
+                now=None,
+            )
+        except BaseException:
+            await self._give_back_run(message, run_ask)
+            raise
+        if isinstance(hold, Refusal):
+            await self._give_back_run(message, run_ask)
+            raise BudgetHeld(hold.reason())
+        return Admission(hold, estimate, run_ask)
+
+    async def settle(
+        self,
+        message: Message,
+        admission: Admission,
+        *,
+        energy_joules: float | None,
+        provenance: str | None,
+        completion_tokens: int | None,
+        prompt_tokens: int | None,
+        failed: bool,
+    ) -> Decimal:
+        """Charge what the call used (its energy at the tariff) and give back the rest."""
+        local = self.clock().astimezone(self.config.time_zone)
+        note = None
+        if energy_joules is not None:
+            amount = self.config.pricing.tariff.cost(energy_joules, local)
+        elif failed:
+            amount = Decimal(0)  # it never ran (refused, cancelled before its start)
+        else:
+            # It ran but no meter figure came back: charge the whole reservation, never less.
+            amount = admission.estimate.amount
+            provenance = "estimated"
+            note = "no energy figure: charged the reservation"
+        if amount > admission.estimate.amount:
+            # Should not happen with a conservative figure: record it, never hide it.
+            note = f"measured cost above the reservation of {admission.estimate.amount}"
+            log.warning("message %s: %s", message.id, note)
+        if admission.hold is not None:
+            charged = await self.spend.settle(
+                admission.hold,
+                amount=amount,
+                energy_joules=energy_joules,
+                provenance=provenance,
+                released=failed and amount == 0,
+                note=note,
+                now=None,
+            )
+            if charged is None:
+                log.warning(
+                    "message %s: hold %s was released before settling (lease lost?)",
+                    message.id,
+                    admission.hold,
+                )
+        if admission.run_ask is not None:
+            used_tokens = (prompt_tokens or 0) + (completion_tokens or 0)
+            await self.spend.run_adjust(
+                tenant=message.tenant,
+                source=message.source,
+                source_id=message.source_id,
+                delta={
+                    "tokens": used_tokens - admission.estimate.tokens,
+                    "money": amount - admission.estimate.amount,
+                },
+            )
+        return amount
+
+    async def reserve_steps(
+        self, message: Message, budget: RunBudget, *, verification: bool, ask: dict[str, object]
+    ) -> None:
+        """Reserve steps or writes against the run's budget (BudgetExhausted if they do not fit)."""
+        exhausted = await self.spend.run_reserve(
+            tenant=message.tenant,
+            source=message.source,
+            source_id=message.source_id,
+            pipeline=message.pipeline,
+            limits=budget.limits(),
+            reserve=budget.verification_reserve,
+            verification=verification,
+            ask=ask,
+            now=None,
+        )
+        if exhausted is not None:
+            raise BudgetExhausted(exhausted)
+
+    async def _give_back_run(self, message: Message, run_ask: dict[str, object] | None) -> None:
+        if run_ask is None:
+            return
+        await self.spend.run_adjust(
+            tenant=message.tenant,
+            source=message.source,
+            source_id=message.source_id,
+            delta={k: -Decimal(str(v)) for k, v in run_ask.items()},
+        )

@@ -1,0 +1,128 @@
+"""`appliance cap` and `appliance energy`: the monthly cap, spend, and energy calibration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from appliance.domain.errors import InvalidInput
+from appliance.runtime import calibrate, services
+from appliance.settings import Settings
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    cap = sub.add_parser("cap", help="the monthly spend cap: set it, see where it stands")
+    cs = cap.add_subparsers(dest="cap_action", required=True)
+    cap_set = cs.add_parser("set", help="set the monthly cap (resumes work held for budget)")
+    cap_set.add_argument("amount", help="in the tariff's currency, for example 25.00")
+    cap_set.add_argument("--tenant", help="a tenant's own cap instead of the appliance's")
+    status = cs.add_parser("status", help="cap, spent, reserved, remaining, provenance")
+    status.add_argument("--json", action="store_true")
+
+
+def add_energy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    energy = sub.add_parser("energy", help="energy figures: calibrate joules per token")
+    es = energy.add_subparsers(dest="energy_action", required=True)
+    cal = es.add_parser(
+        "calibrate", help="measure idle power and joules per token of each tier's model"
+    )
+    cal.add_argument("--calls", type=int, default=3)
+    cal.add_argument("--max-tokens", type=int, default=64)
+
+
+async def cmd_energy(settings: Settings, args: argparse.Namespace) -> int:
+    if not 1 <= args.calls <= 100:
+        raise InvalidInput("calls", "must be 1..100")
+    if not 8 <= args.max_tokens <= 4096:
+        raise InvalidInput("max_tokens", "must be 8..4096")
+    figures = await calibrate(settings, calls=args.calls, max_tokens=args.max_tokens)
+    for f in figures:
+        print(
+            f"{f['model']:<32} {f['joules_per_token']} J/token over {f['tokens']} tokens, "
+            f"idle {f['idle_watts']} W ({f['provenance']})"
+        )
+    print("stored: calls are priced with these figures from the next runner start")
+    return 0
+
+
+def _amount(text: str) -> Decimal:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise InvalidInput("amount", f"{text!r} is not a number") from None
+    if not value.is_finite() or value < 0:
+        raise InvalidInput("amount", f"{text} must be a finite amount >= 0")
+    return value
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{Decimal(value).normalize():f}"
+
+
+def cap_rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        cap = r["cap"]
+        remaining = None if cap is None else max(Decimal(0), cap - r["spent"] - r["reserved"])
+        out.append(
+            {
+                "scope": r["scope"],
+                "month": r["month"].isoformat(),
+                "currency": r["currency"],
+                "cap": _fmt(cap),
+                "spent": _fmt(r["spent"]),
+                "reserved": _fmt(r["reserved"]),
+                "remaining": _fmt(remaining),
+                "interactive_share": _fmt(r["interactive_share"]),
+                "provenance": r["provenance"] or {},
+            }
+        )
+    return out
+
+
+async def cmd_cap(settings: Settings, args: argparse.Namespace) -> int:
+    async with services(settings) as svc:
+        if args.cap_action == "set":
+            amount = _amount(args.amount)
+            scope = "appliance"
+            if args.tenant:
+                if not await svc.tenants.exists(args.tenant):
+                    raise InvalidInput("tenant", f"unknown tenant {args.tenant!r}")
+                scope = f"tenant:{args.tenant}"
+            await svc.spend.set_cap(scope, amount, actor="operator")
+            resumed = await svc.spend.resume_budget(
+                reason=f"cap_set: {scope} {amount}", actor="operator", now=None
+            )
+            print(f"cap {scope}: {_fmt(amount)}; resumed {resumed} messages held for budget")
+            return 0
+        rows = cap_rows_json(await svc.spend.status(now=None))
+        alerts = await svc.spend.alerts(now=None)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "scopes": rows,
+                        "alerts": [
+                            {"scope": a["scope"], "fraction": _fmt(a["fraction"]),
+                             "at": a["at"].isoformat()}
+                            for a in alerts
+                        ],
+                    },
+                    indent=2,
+                )
+            )  # fmt: skip
+            return 0
+        for r in rows:
+            kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["provenance"].items())) or "none"
+            print(
+                f"{r['scope']:<20} month {r['month']}  cap {r['cap']} {r['currency']}  "
+                f"spent {r['spent']}  reserved {r['reserved']}  remaining {r['remaining']}  "
+                f"(settled figures: {kinds})"
+            )
+        for a in alerts:
+            print(f"alert: {a['scope']} passed {_fmt(Decimal(a['fraction']) * 100)}% at {a['at']}")
+    return 0

@@ -1,0 +1,292 @@
+"""The spend ledger in PostgreSQL: holds against the monthly cap, settlement, caps, run budgets,
+and the messages parked for budget (the SpendStore port)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from appliance.db.database import Database
+from appliance.db.message_store import SYSTEM_ACTOR
+from appliance.db.queries import q
+from appliance.domain.budget import Refusal
+from appliance.domain.envelope import Lane, LeaseRef
+
+
+class PgSpendStore:
+    """Reservations and settlement are single statements (plpgsql functions) on the system
+    role; reads for operators go through the same role."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def reserve(
+        self,
+        *,
+        tenant: str,
+        lane: Lane,
+        amount: Decimal,
+        lease: LeaseRef | None,
+        pipeline: str | None,
+        stage: str | None,
+        kind: str | None,
+        model: str | None,
+        tier: str | None,
+        now: datetime | None = None,
+    ) -> int | Refusal:
+        """A hold's id, or the refusal with its figures. Nothing is held on refusal."""
+        params = {
+            "tenant": tenant,
+            "lane": lane.value,
+            "amount": amount,
+            "message_id": lease.message_id if lease else None,
+            "lease_token": lease.lease_token if lease else None,
+            "pipeline": pipeline,
+            "stage": stage,
+            "kind": kind,
+            "model": model,
+            "tier": tier,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("spend_reserve"), params)).fetchone()
+        assert row is not None
+        if row["hold_id"] is not None:
+            return int(row["hold_id"])
+        return Refusal(
+            dimension=str(row["refusal"]),
+            month=row["month"],
+            limit=row["cap"],
+            spent=row["spent"],
+            reserved=row["reserved"],
+            asked=amount,
+        )
+
+    async def settle(
+        self,
+        hold: int,
+        *,
+        amount: Decimal,
+        energy_joules: float | None,
+        provenance: str | None,
+        released: bool = False,
+        note: str | None = None,
+        now: datetime | None = None,
+    ) -> Decimal | None:
+        """Charge what the call cost (or release the hold); None when already done."""
+        params = {
+            "hold": hold,
+            "amount": amount,
+            "energy": energy_joules,
+            "provenance": provenance,
+            "status": "released" if released else "settled",
+            "note": note,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("spend_settle"), params)).fetchone()
+        return None if row is None or row["charged"] is None else Decimal(row["charged"])
+
+    async def platform_month(self, *, now: datetime | None = None) -> Decimal:
+        """Charge this month's amortisation once (0 when already charged or none is set)."""
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("spend_platform_month"), {"now": now})).fetchone()
+        return Decimal(row["charged"]) if row else Decimal(0)
+
+    async def release_dead(self, *, batch: int = 500, now: datetime | None = None) -> int:
+        async with self.db.system_conn() as conn:
+            row = await (
+                await conn.execute(q("spend_release_dead"), {"batch": batch, "now": now})
+            ).fetchone()
+        return int(row["released"]) if row else 0
+
+    async def set_cap(self, scope: str, cap: Decimal, *, actor: str = SYSTEM_ACTOR) -> None:
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("spend_cap_set"), {"scope": scope, "cap": cap, "actor": actor})
+
+    async def default_cap(self, cap: Decimal) -> None:
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("spend_cap_default"), {"cap": cap})
+
+    async def configure(
+        self,
+        *,
+        time_zone: str,
+        currency: str,
+        interactive_share: Decimal,
+        alert_fractions: Sequence[Decimal],
+        amortisation_monthly: Decimal,
+    ) -> None:
+        params = {
+            "time_zone": time_zone,
+            "currency": currency,
+            "interactive_share": interactive_share,
+            "alert_fractions": list(alert_fractions),
+            "amortisation_monthly": amortisation_monthly,
+        }
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("spend_config_set"), params)
+
+    async def status(self, *, now: datetime | None = None) -> list[dict[str, Any]]:
+        async with self.db.system_conn() as conn:
+            return list(await (await conn.execute(q("spend_status"), {"now": now})).fetchall())
+
+    async def today(self, *, now: datetime | None = None) -> dict[str, Any]:
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("spend_today"), {"now": now})).fetchone()
+        return dict(row) if row else {}
+
+    async def alerts(self, *, now: datetime | None = None) -> list[dict[str, Any]]:
+        async with self.db.system_conn() as conn:
+            return list(await (await conn.execute(q("spend_alerts"), {"now": now})).fetchall())
+
+    async def month(self, *, now: datetime | None = None) -> Any:
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("spend_month_now"), {"now": now})).fetchone()
+        return row["month"] if row else None
+
+    async def hold_budget(
+        self,
+        lease: LeaseRef,
+        *,
+        reason: str,
+        expires_at: datetime,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> bool:
+        params = {
+            "id": lease.message_id,
+            "token": lease.lease_token,
+            "reason": reason,
+            "expires_at": expires_at,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_hold_budget"), params)).fetchone()
+        return row is not None
+
+    async def resume_budget(
+        self,
+        *,
+        reason: str,
+        actor: str = SYSTEM_ACTOR,
+        batch: int = 500,
+        now: datetime | None = None,
+    ) -> int:
+        params = {"reason": reason, "actor": actor, "batch": batch, "now": now}
+        total = 0
+        while True:
+            async with self.db.system_conn() as conn:
+                rows = await (await conn.execute(q("message_resume_budget"), params)).fetchall()
+            total += len(rows)
+            if len(rows) < batch:
+                return total
+
+    async def terminate(
+        self,
+        lease: LeaseRef,
+        *,
+        reason: str,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> bool:
+        params = {
+            "id": lease.message_id,
+            "token": lease.lease_token,
+            "reason": reason,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_terminate"), params)).fetchone()
+        return row is not None
+
+    async def run_reserve(
+        self,
+        *,
+        tenant: str,
+        source: str,
+        source_id: str,
+        pipeline: str,
+        limits: dict[str, Any],
+        reserve: Decimal,
+        verification: bool,
+        ask: dict[str, Any],
+        now: datetime | None = None,
+    ) -> str | None:
+        params = {
+            "tenant": tenant,
+            "source": source,
+            "source_id": source_id,
+            "pipeline": pipeline,
+            "limits": Jsonb(limits),
+            "reserve": reserve,
+            "verification": verification,
+            "ask": Jsonb(_json_numbers(ask)),
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("run_budget_reserve"), params)).fetchone()
+        return None if row is None or row["exhausted"] is None else str(row["exhausted"])
+
+    async def run_adjust(
+        self, *, tenant: str, source: str, source_id: str, delta: dict[str, Any]
+    ) -> None:
+        params = {
+            "tenant": tenant,
+            "source": source,
+            "source_id": source_id,
+            "delta": Jsonb(_json_numbers(delta)),
+        }
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("run_budget_adjust"), params)
+
+    async def run_budget(self, tenant: str, source: str, source_id: str) -> dict[str, Any] | None:
+        params = {"tenant": tenant, "source": source, "source_id": source_id}
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("run_budget_get"), params)).fetchone()
+        return dict(row) if row else None
+
+
+def _json_numbers(values: dict[str, Any]) -> dict[str, Any]:
+    # Decimals travel as strings (exact): the SQL reads every value with ->> and ::numeric.
+    return {k: str(v) if isinstance(v, Decimal) else v for k, v in values.items()}
+
+
+class PgCalibrationStore:
+    """Joules per token per model file (energy calibrate)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def save(
+        self,
+        *,
+        model: str,
+        sha256: str,
+        joules_per_token: Decimal,
+        idle_watts: Decimal,
+        tokens: int,
+        provenance: str,
+        source: str,
+    ) -> None:
+        params = {
+            "model": model,
+            "sha256": sha256,
+            "joules_per_token": joules_per_token,
+            "idle_watts": idle_watts,
+            "tokens": tokens,
+            "provenance": provenance,
+            "source": source,
+        }
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("calibration_upsert"), params)
+
+    async def all(self) -> list[dict[str, Any]]:
+        async with self.db.system_conn() as conn:
+            return list(await (await conn.execute(q("calibration_list"))).fetchall())

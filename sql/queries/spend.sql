@@ -1,0 +1,171 @@
+-- Named queries of the spend ledger, the monthly cap and run budgets.
+
+-- name: spend_reserve :one
+-- Reserve a call's worst-case cost against every scope, or nothing (see spend_reserve()).
+SELECT * FROM spend_reserve(%(tenant)s, %(lane)s::lane, %(amount)s::numeric, %(message_id)s,
+                            %(lease_token)s, %(pipeline)s, %(stage)s, %(kind)s, %(model)s,
+                            %(tier)s, %(now)s::timestamptz);
+
+-- name: spend_settle :one
+-- Settle or release a hold to the measured cost (NULL: it was settled or released already).
+SELECT spend_settle(%(hold)s, %(amount)s::numeric, %(energy)s, %(provenance)s, %(status)s,
+                    %(note)s, %(now)s::timestamptz) AS charged;
+
+-- name: spend_release_dead :one
+-- Release the holds of leases that are gone (a bounded batch).
+SELECT spend_release_dead(%(batch)s, %(now)s::timestamptz) AS released;
+
+-- name: spend_cap_set :exec
+-- Set the monthly cap of a scope (the appliance, or one tenant).
+INSERT INTO spend_caps (scope, monthly_cap, updated_at, updated_by)
+VALUES (%(scope)s, %(cap)s::numeric, now(), %(actor)s)
+ON CONFLICT (scope) DO UPDATE
+SET monthly_cap = excluded.monthly_cap, updated_at = excluded.updated_at,
+    updated_by = excluded.updated_by;
+
+-- name: spend_cap_default :exec
+-- Set the appliance cap only when none is set yet (the runner's configured default).
+INSERT INTO spend_caps (scope, monthly_cap, updated_by)
+VALUES ('appliance', %(cap)s::numeric, 'settings')
+ON CONFLICT (scope) DO NOTHING;
+
+-- name: spend_config_set :exec
+-- The ledger's time zone, currency, interactive share, alert fractions and amortisation.
+UPDATE spend_config
+SET time_zone = %(time_zone)s, currency = %(currency)s,
+    interactive_share = %(interactive_share)s::numeric,
+    alert_fractions = %(alert_fractions)s::numeric[],
+    amortisation_monthly = %(amortisation_monthly)s::numeric;
+
+-- name: spend_status :many
+-- This month's figures per scope with a cap or with spend: cap, spent, reserved, and the provenance of what was settled.
+WITH m AS (SELECT spend_month(coalesce(%(now)s::timestamptz, now())) AS month),
+scopes AS (
+    SELECT scope FROM spend_caps
+    UNION SELECT sm.scope FROM spend_months sm, m WHERE sm.month = m.month
+)
+SELECT s.scope, m.month, c.monthly_cap AS cap,
+       coalesce(sm.spent, 0) AS spent, coalesce(sm.reserved, 0) AS reserved,
+       (SELECT currency FROM spend_config) AS currency,
+       (SELECT interactive_share FROM spend_config) AS interactive_share,
+       (SELECT coalesce(jsonb_object_agg(p.provenance, p.n), '{}'::jsonb)
+        FROM (SELECT l.provenance, count(*) AS n FROM spend_ledger l
+              WHERE l.month = m.month AND l.status IN ('settled', 'platform')
+                AND (s.scope = 'appliance' OR 'tenant:' || l.tenant = s.scope)
+                AND l.provenance IS NOT NULL
+              GROUP BY l.provenance) AS p) AS provenance
+FROM scopes s
+CROSS JOIN m
+LEFT JOIN spend_caps c ON c.scope = s.scope
+LEFT JOIN spend_months sm ON sm.month = m.month AND sm.scope = s.scope
+ORDER BY s.scope = 'appliance' DESC, s.scope;
+
+-- name: spend_today :one
+-- Settled spend and energy since the start of today (in the ledger's time zone).
+SELECT coalesce(sum(l.amount), 0) AS spent, coalesce(sum(l.energy_joules), 0) AS joules,
+       count(*) AS calls, (SELECT currency FROM spend_config) AS currency,
+       coalesce(array_agg(DISTINCT l.provenance) FILTER (WHERE l.provenance IS NOT NULL),
+                '{}') AS provenance
+FROM spend_ledger l
+WHERE l.status = 'settled'
+  AND l.settled_at >= (date_trunc('day', coalesce(%(now)s::timestamptz, now())
+                                         AT TIME ZONE (SELECT time_zone FROM spend_config))
+                       AT TIME ZONE (SELECT time_zone FROM spend_config));
+
+-- name: spend_alerts :many
+-- Alert fractions crossed this month, newest first.
+SELECT month, scope, fraction, spent, cap, at
+FROM spend_alerts
+WHERE month = spend_month(coalesce(%(now)s::timestamptz, now()))
+ORDER BY at DESC;
+
+-- name: spend_month_now :one
+-- The current month by the database clock, in the ledger's time zone.
+SELECT spend_month(coalesce(%(now)s::timestamptz, now())) AS month;
+
+-- name: message_hold_budget :one
+-- Park a running attempt in held_budget (no hold could be had): not counted as an attempt, never retried by backoff; it waits until the cap is raised or the month rolls over, `expires_at` at the latest.
+UPDATE agent_messages m
+SET status = 'held_budget',
+    waiting_for = 'budget',
+    attempts = greatest(m.attempts - 1, 0),
+    deadline = least(m.deadline, %(expires_at)s::timestamptz),
+    lease_expires_at = NULL,
+    lease_token = NULL,
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+RETURNING m.id;
+
+-- name: message_resume_budget :many
+-- Messages held for budget go back to pending (the cap was raised or the month rolled over); a bounded batch.
+WITH ready AS (
+    SELECT m.id FROM agent_messages m
+    WHERE m.status = 'held_budget'
+    ORDER BY m.id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE agent_messages m
+SET status = 'pending',
+    waiting_for = NULL,
+    not_before = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+FROM ready
+WHERE m.id = ready.id
+RETURNING m.id;
+
+-- name: message_terminate :one
+-- End a running attempt for good under its lease: dead, with the reason (a run budget exhausted, too many hops); never retried.
+UPDATE agent_messages m
+SET status = 'dead',
+    error = %(reason)s,
+    lease_expires_at = NULL,
+    lease_token = NULL,
+    finished_at = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+RETURNING m.id;
+
+-- name: run_budget_reserve :one
+-- Reserve work against a run's budget (NULL: it fits; else the exhausted dimension).
+SELECT run_budget_reserve(%(tenant)s, %(source)s, %(source_id)s, %(pipeline)s, %(limits)s,
+                          %(reserve)s::numeric, %(verification)s, %(ask)s,
+                          %(now)s::timestamptz) AS exhausted;
+
+-- name: run_budget_adjust :exec
+-- Give back what a reservation did not use.
+SELECT run_budget_adjust(%(tenant)s, %(source)s, %(source_id)s, %(delta)s);
+
+-- name: run_budget_get :one
+-- One run's budget: limits, use and the dimension that ran out, if any.
+SELECT tenant, source, source_id, pipeline, limits, verification_reserve, used, started_at,
+       exhausted
+FROM run_budgets
+WHERE tenant = %(tenant)s AND source = %(source)s AND source_id = %(source_id)s;
+
+-- name: calibration_upsert :exec
+-- Store a model's measured (or estimated) joules per token.
+INSERT INTO energy_calibration
+    (model, sha256, joules_per_token, idle_watts, tokens, provenance, source, measured_at)
+VALUES (%(model)s, %(sha256)s, %(joules_per_token)s::numeric, %(idle_watts)s::numeric,
+        %(tokens)s, %(provenance)s, %(source)s, now())
+ON CONFLICT (model, sha256) DO UPDATE
+SET joules_per_token = excluded.joules_per_token, idle_watts = excluded.idle_watts,
+    tokens = excluded.tokens, provenance = excluded.provenance, source = excluded.source,
+    measured_at = excluded.measured_at;
+
+-- name: calibration_list :many
+-- Every stored calibration.
+SELECT model, sha256, joules_per_token, idle_watts, tokens, provenance, source, measured_at
+FROM energy_calibration
+ORDER BY model;
+
+-- name: spend_platform_month :one
+-- Charge the month's amortisation once, as a platform cost.
+SELECT spend_platform_month(%(now)s::timestamptz) AS charged;

@@ -1,0 +1,238 @@
+"""The monthly cap and run budgets in real PostgreSQL: the reservation race, settlement and
+alerts, month rollover with holds in flight, the interactive share, tenant caps, released holds of
+dead leases, and every run-budget dimension with its verification reserve."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+
+from appliance.db.database import Database
+from appliance.db.spend_store import PgSpendStore
+from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.budget import Refusal, RunBudget
+from appliance.domain.envelope import Lane
+
+A = Decimal("0.000123457")  # one call's worst case: not a round number on purpose
+
+
+async def reserve(spend: PgSpendStore, now: datetime, **kw: object) -> int | Refusal:
+    fields: dict[str, object] = {
+        "tenant": "acme", "lane": Lane.INTERACTIVE, "amount": A, "lease": None,
+        "pipeline": "p", "stage": "s", "kind": "classify", "model": "m", "tier": "mechanical",
+    }  # fmt: skip
+    fields.update(kw)
+    return await spend.reserve(now=now, **fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def spend(db: Database) -> PgSpendStore:
+    tenants = PgTenantStore(db)
+    for name in ("acme", "globex"):
+        await tenants.add(name)
+    return PgSpendStore(db)
+
+
+async def month_row(db: Database, month: str, scope: str = "appliance") -> dict[str, object]:
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT spent, reserved FROM spend_months WHERE month = %s AND scope = %s",
+                (month, scope),
+            )
+        ).fetchone()
+    return dict(row) if row else {}
+
+
+async def test_the_cap_race_admits_exactly_k_and_never_overshoots(
+    spend: PgSpendStore, db: Database
+) -> None:
+    k, n = 7, 50
+    await spend.set_cap("appliance", A * k)
+    pool = Database(db.endpoints, min_size=n, max_size=n)
+    await pool.open()
+    racing = PgSpendStore(pool)
+    try:
+        for run in range(100):
+            # Each run is its own month (injected database time): a fresh ledger row.
+            now = datetime(2031, 1, 1, tzinfo=UTC) + timedelta(days=32 * run)
+            month = now.date().replace(day=1).isoformat()
+            barrier = asyncio.Barrier(n + 1)
+            samples: list[Decimal] = []
+            done = asyncio.Event()
+
+            async def one(now: datetime = now, barrier: asyncio.Barrier = barrier) -> bool:
+                await barrier.wait()
+                return isinstance(await reserve(racing, now), int)
+
+            async def sample(
+                month: str = month, done: asyncio.Event = done, samples: list[Decimal] = samples
+            ) -> None:
+                while not done.is_set():
+                    row = await month_row(db, month)
+                    if row:
+                        samples.append(Decimal(row["spent"]) + Decimal(row["reserved"]))  # type: ignore[arg-type]
+                    await asyncio.sleep(0)
+
+            sampler = asyncio.create_task(sample())
+            tasks = [asyncio.create_task(one()) for _ in range(n)]
+            await barrier.wait()
+            admitted = sum(await asyncio.gather(*tasks))
+            done.set()
+            await sampler
+            row = await month_row(db, month)
+            assert admitted == k, f"run {run}: {admitted} admitted"
+            assert Decimal(row["reserved"]) == A * k  # type: ignore[arg-type]
+            assert all(s <= A * k for s in samples), f"run {run}: overshoot {max(samples)}"
+    finally:
+        await pool.close()
+
+
+async def test_settle_release_and_alerts(spend: PgSpendStore, db: Database) -> None:
+    now = datetime(2031, 3, 10, tzinfo=UTC)
+    await spend.set_cap("appliance", Decimal("1.0"))
+    holds = [await reserve(spend, now, amount=Decimal("0.3")) for _ in range(3)]
+    assert all(isinstance(h, int) for h in holds)
+    refused = await reserve(spend, now, amount=Decimal("0.2"))
+    assert isinstance(refused, Refusal)
+    assert refused.dimension.startswith("money: appliance monthly cap 1.0")
+    assert refused.reason() == (
+        "held_budget: money: appliance monthly cap 1.0 EUR; limit 1, spent 0, reserved 0.9, "
+        "this call needs 0.2"
+    )
+    # Settled below the hold: the rest is free again; settling twice changes nothing.
+    assert await spend.settle(holds[0], amount=Decimal("0.1"), energy_joules=1200.0,  # type: ignore[arg-type]
+                              provenance="estimated", now=now) == Decimal("0.1")  # fmt: skip
+    assert await spend.settle(holds[0], amount=Decimal("0.1"), energy_joules=1.0,  # type: ignore[arg-type]
+                              provenance="estimated", now=now) is None  # fmt: skip
+    assert await spend.settle(holds[1], amount=Decimal(0), energy_joules=None,  # type: ignore[arg-type]
+                              provenance=None, released=True, now=now) == 0  # fmt: skip
+    row = await month_row(db, "2031-03-01")
+    assert (row["spent"], row["reserved"]) == (Decimal("0.1"), Decimal("0.3"))
+    assert isinstance(await reserve(spend, now, amount=Decimal("0.6")), int)
+    for hold in (holds[2],):
+        await spend.settle(hold, amount=Decimal("0.45"), energy_joules=5.0,  # type: ignore[arg-type]
+                           provenance="estimated", now=now)  # fmt: skip
+    alerts = await spend.alerts(now=now)
+    # 0.55 spent of 1.0: the 50 % alert, once, for the appliance scope.
+    assert [(a["scope"], a["fraction"]) for a in alerts] == [("appliance", Decimal("0.5"))]
+    status = {r["scope"]: r for r in await spend.status(now=now)}
+    assert status["appliance"]["provenance"] == {"estimated": 2}
+
+
+async def test_month_rollover_with_holds_in_flight(spend: PgSpendStore, db: Database) -> None:
+    await spend.configure(
+        time_zone="Europe/Berlin", currency="EUR", interactive_share=Decimal("0.2"),
+        alert_fractions=[Decimal("0.5")], amortisation_monthly=Decimal("0.05"),
+    )  # fmt: skip
+    await spend.set_cap("appliance", Decimal("1.0"))
+    # 23:30 UTC on 31 January is already 1 February in Berlin (UTC+1 in winter).
+    late_jan = datetime(2031, 1, 31, 23, 30, tzinfo=UTC)
+    assert str(await spend.month(now=late_jan)) == "2031-02-01"
+    in_jan = datetime(2031, 1, 31, 22, 30, tzinfo=UTC)
+    assert str(await spend.month(now=in_jan)) == "2031-01-01"
+    hold = await reserve(spend, in_jan, amount=Decimal("0.4"))
+    assert isinstance(hold, int)
+    # The month turns while the call runs; many first reservations of February race.
+    results = await asyncio.gather(*(reserve(spend, late_jan, amount=A) for _ in range(20)))
+    assert all(isinstance(r, int) for r in results)
+    await spend.settle(hold, amount=Decimal("0.3"), energy_joules=9.0,
+                       provenance="estimated", now=late_jan)  # fmt: skip
+    jan, feb = await month_row(db, "2031-01-01"), await month_row(db, "2031-02-01")
+    assert (jan["spent"], jan["reserved"]) == (Decimal("0.3"), 0)
+    assert (feb["spent"], feb["reserved"]) == (0, A * 20)
+    async with db.system_conn() as conn:
+        rows = await (
+            await conn.execute("SELECT count(*) AS n FROM spend_months WHERE month = '2031-02-01'")
+        ).fetchone()
+    assert rows is not None and rows["n"] == 2  # appliance and tenant:acme, each once
+    # Amortisation is charged once per month, as a platform cost.
+    assert await spend.platform_month(now=late_jan) == Decimal("0.05")
+    assert await spend.platform_month(now=late_jan) == 0
+    assert (await month_row(db, "2031-02-01"))["spent"] == Decimal("0.05")
+
+
+async def test_interactive_keeps_its_share_and_tenants_their_caps(spend: PgSpendStore) -> None:
+    now = datetime(2031, 5, 5, tzinfo=UTC)
+    await spend.set_cap("appliance", Decimal("1.0"))
+    assert isinstance(await reserve(spend, now, amount=Decimal("0.75"), lane=Lane.BATCH), int)
+    batch = await reserve(spend, now, amount=Decimal("0.1"), lane=Lane.BATCH)
+    assert isinstance(batch, Refusal) and "batch work may use 0.8" in batch.dimension
+    assert isinstance(await reserve(spend, now, amount=Decimal("0.2")), int)  # interactive
+    await spend.set_cap("tenant:globex", Decimal("0.01"))
+    refused = await reserve(spend, now, tenant="globex", amount=Decimal("0.02"))
+    assert isinstance(refused, Refusal) and "tenant:globex monthly cap" in refused.dimension
+
+
+async def test_no_cap_means_no_admission(spend: PgSpendStore) -> None:
+    refused = await reserve(spend, datetime(2031, 6, 1, tzinfo=UTC))
+    assert isinstance(refused, Refusal) and "no monthly cap is set" in refused.dimension
+    with pytest.raises(Exception, match="amount must be > 0"):
+        await reserve(spend, datetime(2031, 6, 1, tzinfo=UTC), amount=Decimal(0))
+
+
+async def test_holds_of_dead_leases_are_released(spend: PgSpendStore, db: Database) -> None:
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    await spend.set_cap("appliance", Decimal("1.0"))
+    bus = Bus(PgRunnerStore(db))
+    await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id="1",
+                      directive="d")  # fmt: skip
+    (message,) = await bus.claim("w", limit=1)
+    hold = await reserve(spend, datetime.now(UTC), lease=message.lease)
+    assert isinstance(hold, int)
+    assert await spend.release_dead(now=None) == 0  # its lease is alive
+    await bus.reclaim(now=datetime.now(UTC) + timedelta(hours=1))
+    assert await spend.release_dead(now=None) == 1
+    status = {r["scope"]: r for r in await spend.status(now=None)}
+    assert status["appliance"]["reserved"] == 0
+
+
+BUDGET = RunBudget(steps=10, tokens=1000, calls=5, writes=2, money=Decimal("0.5"),
+                   wall_time=timedelta(minutes=5), verification_reserve=Decimal("0.2"))  # fmt: skip
+
+
+async def run_reserve(
+    spend: PgSpendStore, ask: dict[str, object], *, verification: bool = False,
+    now: datetime | None = None, source_id: str = "r1",
+) -> str | None:  # fmt: skip
+    return await spend.run_reserve(
+        tenant="acme", source="t", source_id=source_id, pipeline="p", limits=BUDGET.limits(),
+        reserve=BUDGET.verification_reserve, verification=verification, ask=ask,
+        now=now or datetime(2031, 1, 1, tzinfo=UTC),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dimension", "ordinary", "verification"),
+    [
+        ("steps", 8, 2),
+        ("tokens", 800, 200),
+        ("calls", 4, 1),
+        ("writes", 1, 1),  # 2 * 0.8 = 1.6: one ordinary write, the second needs verification
+        ("money", Decimal("0.4"), Decimal("0.1")),
+    ],
+)
+async def test_every_dimension_exhausts_by_name_and_keeps_its_reserve(
+    spend: PgSpendStore, dimension: str, ordinary: object, verification: object
+) -> None:
+    assert await run_reserve(spend, {dimension: ordinary}) is None
+    # Ordinary work cannot take the verification reserve...
+    assert await run_reserve(spend, {dimension: verification}) == dimension
+    # ...a verification stage can, up to the limit and not beyond.
+    assert await run_reserve(spend, {dimension: verification}, verification=True) is None
+    assert await run_reserve(spend, {dimension: 1}, verification=True) == dimension
+    budget = await spend.run_budget("acme", "t", "r1")
+    assert budget is not None and budget["exhausted"] == dimension
+
+
+async def test_wall_time_and_giving_back_unused_reservations(spend: PgSpendStore) -> None:
+    start = datetime(2031, 1, 1, tzinfo=UTC)
+    assert await run_reserve(spend, {"tokens": 700}, now=start) is None
+    await spend.run_adjust(tenant="acme", source="t", source_id="r1", delta={"tokens": -600})
+    assert await run_reserve(spend, {"tokens": 700}, now=start) is None  # 100 + 700 <= 800
+    assert await run_reserve(spend, {"steps": 1}, now=start + timedelta(minutes=6)) == "wall_time"

@@ -1,0 +1,217 @@
+"""The runner under governance with the real pool and real PostgreSQL: a call that does not fit
+the cap parks its message in held_budget (figures in the reason) and resumes when the cap is
+raised; a run budget ends its message naming the exhausted dimension; the hop limit stops a
+message that keeps re-enqueueing itself; settled spend equals the recorded calls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from appliance.bus.core import Bus
+from appliance.bus.governor import Governor, GovernorConfig
+from appliance.bus.runner import Runner, RunnerConfig
+from appliance.db.database import Database, Endpoints
+from appliance.db.listener import PgDoorbell
+from appliance.db.runner_store import PgRunnerStore
+from appliance.db.spend_store import PgSpendStore
+from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.budget import RunBudget
+from appliance.domain.cost import Pricing, Tariff
+from appliance.domain.inference import Tier
+from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
+from appliance.inference.pool import InferencePool
+from appliance.metering.meter import Meter
+from appliance.metering.sources import EstimateSource, ThreadCpu, process_cpu_seconds
+from tests.inference.models import spec
+
+
+async def label(ctx: StageContext) -> StageResult:
+    answer = await ctx.infer("classify", f"Ticket: {ctx.message.directive}\nLabel:", max_tokens=8)
+    return ctx.finish({"text": answer.text, "tokens": answer.completion_tokens})
+
+
+async def again(ctx: StageContext) -> StageResult:
+    # Re-enqueues itself forever: only the hop limit (or the cap) stops it.
+    ctx.spawn("again", f"{ctx.message.source_id}+", context={"n": ctx.message.hops + 1})
+    return ctx.finish({"hops": ctx.message.hops})
+
+
+async def write_twice(ctx: StageContext) -> StageResult:
+    await ctx.reserve_write()
+    await ctx.reserve_write()
+    return ctx.finish({"wrote": 2})
+
+
+PIPES = [
+    Pipeline("label", (Stage("run", label, task_kind="classify", uses_model=True),)),
+    Pipeline(
+        "tight",
+        (Stage("run", label, task_kind="classify", uses_model=True),),
+        budget=RunBudget(tokens=40, verification_reserve=Decimal(0)),
+    ),
+    Pipeline("loop", (Stage("again", again),), budget=RunBudget(max_hops=3)),
+    Pipeline("writes", (Stage("run", write_twice),), budget=RunBudget(writes=1)),
+]
+
+
+@dataclass
+class Rig:
+    bus: Bus
+    spend: PgSpendStore
+    db: Database
+    pool: InferencePool
+
+    async def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        async with self.db.system_conn() as conn:
+            return list(await (await conn.execute(sql, params or {})).fetchall())
+
+    async def wait(self, check: Callable[[], Any], timeout: float = 60, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await check():
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def status_of(self, pipeline: str) -> list[str]:
+        rows = await self.rows(
+            "SELECT status::text AS s FROM agent_messages WHERE pipeline = %(p)s ORDER BY id",
+            {"p": pipeline},
+        )
+        return [str(r["s"]) for r in rows]
+
+
+@pytest.fixture
+async def rig(fresh_db: Endpoints) -> AsyncIterator[Rig]:
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    await PgTenantStore(db).add("acme")
+    store = PgRunnerStore(db)
+    await store.sync_pipelines(PIPES)
+    spend = PgSpendStore(db)
+    # The estimate source on this machine (no counters here): real thread CPU time, labelled.
+    meter = Meter(
+        EstimateSource(10.0, 15.0, process_cpu_seconds, time.monotonic()),
+        ThreadCpu(),
+        {"cpu": 10.0},
+    )
+    pool = InferencePool([spec(Tier.MECHANICAL)], cores=2, meter=meter)
+    await pool.start()
+    # 1,000 J per token at 1 EUR/kWh: one call's worst case is a visible fraction of a cent.
+    pricing = Pricing(
+        tariff=Tariff(price_per_kwh=Decimal("1.0")),
+        default_joules_per_token=Decimal("1000"),
+        safety_factor=Decimal("1.0"),
+    )
+    governor = Governor(spend, GovernorConfig(pricing), actor="gov")
+    config = RunnerConfig(
+        worker_id="gov", concurrency=4, lease=timedelta(seconds=10),
+        poll_interval=timedelta(seconds=5), report_every=timedelta(seconds=0.5),
+    )  # fmt: skip
+    runner = Runner(
+        store, Registry(PIPES), config, doorbell=PgDoorbell(fresh_db.system), inference=pool,
+        governor=governor,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield Rig(Bus(store), spend, db, pool)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await pool.close()
+        await db.close()
+
+
+async def submit(rig: Rig, pipeline: str, source_id: str, stage: str = "run") -> int:
+    result = await rig.bus.enqueue(
+        tenant="acme", pipeline=pipeline, stage=stage, source="t", source_id=source_id,
+        directive="I was charged twice",
+    )  # fmt: skip
+    return result.id
+
+
+async def test_a_call_over_the_cap_is_held_then_resumes_when_the_cap_is_raised(rig: Rig) -> None:
+    await rig.spend.set_cap("appliance", Decimal("0.000001"))
+    mid = await submit(rig, "label", "h1")
+
+    async def held() -> bool:
+        return await rig.status_of("label") == ["held_budget"]
+
+    await rig.wait(held, what="held_budget")
+    (row,) = await rig.rows("SELECT status_reason, attempts FROM agent_messages WHERE id = %(i)s",
+                            {"i": mid})  # fmt: skip
+    assert row["status_reason"].startswith("held_budget: money: appliance monthly cap 0.000001")
+    assert "this call needs" in row["status_reason"]
+    assert row["attempts"] == 0  # a budget refusal is not an attempt, and never retried
+    await asyncio.sleep(1.0)
+    assert await rig.status_of("label") == ["held_budget"]
+    assert rig.pool.stats()["mechanical"]["requests_total"] == 0  # nothing ran
+
+    await rig.spend.set_cap("appliance", Decimal("10"))
+    assert await rig.spend.resume_budget(reason="cap_set", now=None) == 1
+
+    async def done() -> bool:
+        return await rig.status_of("label") == ["done"]
+
+    await rig.wait(done, what="done after the cap was raised")
+    ledger = await rig.rows(
+        "SELECT status, reserved, amount, energy_joules, provenance, note FROM spend_ledger"
+    )
+    assert [r["status"] for r in ledger] == ["settled"]
+    (entry,) = ledger
+    assert entry["provenance"] == "estimated" and entry["energy_joules"] > 0
+    assert 0 < entry["amount"] <= entry["reserved"] and entry["note"] is None
+    (month,) = await rig.rows("SELECT spent, reserved FROM spend_months WHERE scope = 'appliance'")
+    assert month["reserved"] == 0 and month["spent"] == entry["amount"]
+
+
+async def test_a_run_budget_ends_the_message_naming_the_dimension(rig: Rig) -> None:
+    await rig.spend.set_cap("appliance", Decimal("10"))
+    mid = await submit(rig, "tight", "b1")
+
+    async def dead() -> bool:
+        return await rig.status_of("tight") == ["dead"]
+
+    await rig.wait(dead, what="budget_exhausted")
+    (row,) = await rig.rows("SELECT status_reason FROM agent_messages WHERE id = %(i)s", {"i": mid})
+    assert row["status_reason"].startswith("budget_exhausted: tokens")
+    # The run budget refused first: nothing was held against the cap, and nothing ran.
+    assert await rig.rows("SELECT id FROM spend_ledger") == []
+    assert rig.pool.stats()["mechanical"]["requests_total"] == 0
+
+
+async def test_the_hop_limit_stops_a_self_enqueueing_message(rig: Rig) -> None:
+    await submit(rig, "loop", "x", stage="again")
+
+    async def stopped() -> bool:
+        return "dead" in await rig.status_of("loop")
+
+    await rig.wait(stopped, what="the hop limit")
+    rows = await rig.rows(
+        "SELECT hops, status::text AS s, status_reason FROM agent_messages "
+        "WHERE pipeline = 'loop' ORDER BY hops"
+    )
+    assert [(r["hops"], r["s"]) for r in rows] == [
+        (0, "done"), (1, "done"), (2, "done"), (3, "done"), (4, "dead"),
+    ]  # fmt: skip
+    assert rows[-1]["status_reason"].startswith("budget_exhausted: hops")
+
+
+async def test_external_writes_are_reserved_before_they_happen(rig: Rig) -> None:
+    await submit(rig, "writes", "w1")
+
+    async def dead() -> bool:
+        return await rig.status_of("writes") == ["dead"]
+
+    await rig.wait(dead, what="writes exhausted")
+    (row,) = await rig.rows("SELECT status_reason FROM agent_messages WHERE pipeline = 'writes'")
+    assert row["status_reason"].startswith("budget_exhausted: writes")
