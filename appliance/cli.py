@@ -344,6 +344,10 @@ async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     """Submit support tickets and show them classified and answered (needs a runner)."""
     async with services(settings) as svc:
         await svc.tenants.add("demo")
+        if args.cap is not None:
+            cap = cli_spend._amount(args.cap)
+            await svc.spend.set_cap("appliance", cap, actor="demo")
+            print(f"monthly cap set to {cli_spend._fmt(cap)} for this demo")
         batch = f"{int(time.time())}"
         tickets = [SAMPLE_TICKETS[i % len(SAMPLE_TICKETS)] for i in range(args.count)]
         requests = [
@@ -363,11 +367,15 @@ async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
             f"submitted {args.count} support tickets (pipeline support: classify -> draft -> reply)"
         )
         deadline = time.monotonic() + args.timeout
+        source_ids = [r.source_id for r in requests]
         while True:
             st = await svc.bus.status()
-            counts = st.stages.get("support.reply", {})
-            finished = counts.get("done", 0)
             print(status_text(st), end="\n\n", flush=True)
+            rows = await svc.store.stage_outputs(
+                "demo", pipeline="support", stage="reply", source="demo-tickets",
+                source_ids=source_ids,
+            )  # fmt: skip
+            finished = sum(1 for r in rows if r["status"] == MessageStatus.DONE)
             # Done when every ticket is answered, or nothing is left to run (the rest waits:
             # held for budget at the cap, or for a model tier).
             active = sum(
@@ -378,13 +386,6 @@ async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
                 break
             await asyncio.sleep(args.every)
         new = sum(1 for r in results if r.new)
-        rows = await svc.store.stage_outputs(
-            "demo",
-            pipeline="support",
-            stage="reply",
-            source="demo-tickets",
-            source_ids=[r.source_id for r in requests],
-        )
         done_rows = [r for r in rows if r["status"] == MessageStatus.DONE]
         print(f"answers ({len(done_rows)} of {new} tickets):")
         for row in done_rows:
@@ -398,6 +399,12 @@ async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
             print(f"waiting ({len(waiting)}):")
             for w in waiting:
                 print(f"  {w['pipeline']}.{w['stage']} {w['source_id']}: {w['status_reason']}")
+        for row in cli_spend.cap_rows_json(await svc.spend.status(now=None)):
+            print(
+                f"cap {row['scope']}: {row['cap']} {row['currency']}, spent {row['spent']}, "
+                f"reserved {row['reserved']}, remaining {row['remaining']} "
+                f"(figures: {', '.join(sorted(row['provenance'])) or 'none yet'})"
+            )
     return 0
 
 
@@ -457,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--count", type=int, default=4)
     demo.add_argument("--every", type=float, default=2.0)
     demo.add_argument("--timeout", type=float, default=300.0)
+    demo.add_argument(
+        "--cap", help="set the appliance's monthly cap first (a tiny one shows held_budget)"
+    )
 
     status = sub.add_parser("status", help="the bus at a glance")
     status.add_argument("--json", action="store_true", help="machine-readable")

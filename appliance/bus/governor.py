@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from zoneinfo import ZoneInfo
 
-from appliance.domain.budget import BudgetExhausted, BudgetHeld, Refusal, RunBudget
+from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld, Refusal, RunBudget
 from appliance.domain.cost import CallEstimate, Pricing
 from appliance.domain.envelope import Message
 from appliance.domain.errors import ConfigurationError
@@ -126,7 +126,10 @@ class Governor:
             raise
         if isinstance(hold, Refusal):
             await self._give_back_run(message, run_ask)
-            raise BudgetHeld(hold.reason())
+            if hold.exhausted:
+                raise BudgetHeld(hold.reason())
+            # Room is only held by calls in flight; they settle at or below their holds.
+            raise BudgetBusy(hold.reason().replace("held_budget:", "deferred:", 1))
         return Admission(hold, estimate, run_ask)
 
     async def settle(

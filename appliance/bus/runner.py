@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from appliance.bus.governor import Admission, Governor
 from appliance.bus.slots import LaneSlots
-from appliance.domain.budget import BudgetExhausted, BudgetHeld
+from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld
 from appliance.domain.envelope import EnqueueRequest, Lane, LeaseRef, Message
 from appliance.domain.inference import (
     TIER_ORDER,
@@ -86,6 +86,8 @@ class RunnerConfig:
     max_hops: int = 1000
     # How long a message may wait in held_budget before it expires.
     budget_hold_max: timedelta = timedelta(days=32)
+    # How soon work that found the cap held by calls in flight tries again.
+    budget_busy_delay: timedelta = timedelta(seconds=1)
 
     @property
     def heartbeat_every(self) -> timedelta:
@@ -136,6 +138,7 @@ class RunnerStats:
     parked: int = 0
     resumed: int = 0
     held_budget: int = 0
+    deferred: int = 0
     budget_exhausted: int = 0
 
 
@@ -455,6 +458,9 @@ class Runner:
             # No tier allowed to do this work is up: it waits, visibly, and is never sent to a
             # weaker model. Not a failure: the attempt is not counted.
             await self._park(attempt, exc.kind, exc.tier)
+        except BudgetBusy as exc:
+            # The cap has room once the calls in flight settle: try again in a moment.
+            await self._defer(attempt, exc.reason)
         except BudgetHeld as exc:
             # No hold against the monthly cap: it waits for a raised cap or a new month. Never a
             # retry (that would be a storm against a closed cap).
@@ -634,6 +640,19 @@ class Runner:
                 self.stats.held_budget += 1
         except Exception:
             log.exception("could not hold message %s for budget", attempt.message.id)
+
+    async def _defer(self, attempt: _Attempt, reason: str) -> None:
+        if self.governor is None:
+            return
+        delay = self.config.budget_busy_delay
+        try:
+            if await self.governor.spend.defer(
+                attempt.lease, delay=delay, reason=reason, actor=self.config.worker_id, now=None
+            ):
+                self.stats.deferred += 1
+                self._schedule_local_wake(delay.total_seconds())
+        except Exception:
+            log.exception("could not defer message %s", attempt.message.id)
 
     async def _terminate(self, attempt: _Attempt, reason: str) -> None:
         try:
@@ -894,6 +913,7 @@ class Runner:
                 "polls": self.stats.polls,
                 "parked": self.stats.parked,
                 "held_budget": self.stats.held_budget,
+                "deferred": self.stats.deferred,
                 "budget_exhausted": self.stats.budget_exhausted,
                 "resumed": self.stats.resumed,
                 "inference": self.inference.stats() if self.inference is not None else None,

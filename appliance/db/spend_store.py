@@ -4,7 +4,7 @@ and the messages parked for budget (the SpendStore port)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -186,6 +186,27 @@ class PgSpendStore:
             total += len(rows)
             if len(rows) < batch:
                 return total
+
+    async def defer(
+        self,
+        lease: LeaseRef,
+        *,
+        delay: timedelta,
+        reason: str,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> bool:
+        params = {
+            "id": lease.message_id,
+            "token": lease.lease_token,
+            "delay": delay,
+            "reason": reason,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_defer"), params)).fetchone()
+        return row is not None
 
     async def terminate(
         self,

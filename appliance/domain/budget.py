@@ -77,6 +77,15 @@ class BudgetHeld(BudgetRefused):
         self.reason = reason
 
 
+class BudgetBusy(BudgetRefused):
+    """The cap is not used up, only held by calls in flight (which settle at or below their
+    reservations): the message tries again shortly, without counting an attempt."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why the cap refused a hold, with the figures (shown in the message's reason)."""
@@ -87,6 +96,13 @@ class Refusal:
     spent: Decimal | None
     reserved: Decimal | None
     asked: Decimal
+
+    @property
+    def exhausted(self) -> bool:
+        """True when spend alone leaves no room for the call (reservations in flight aside)."""
+        if self.limit is None or self.spent is None:
+            return True
+        return self.spent + self.asked > self.limit
 
     def reason(self) -> str:
         def fmt(value: Decimal | None) -> str:

@@ -60,7 +60,8 @@ class Tariff:
     def cost(self, joules: float | Decimal, local: datetime) -> Decimal:
         """The cost of `joules` of device energy used at local time `local`."""
         energy = Decimal(str(joules)) * self.overhead
-        return _round_up(energy / JOULES_PER_KWH * self.price_at(local))
+        # Multiply before dividing: exact where the figures allow it, before rounding up.
+        return _round_up(energy * self.price_at(local) / JOULES_PER_KWH)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class Pricing:
         tokens = min(prompt_tokens + max_tokens, context_length)
         joules = per_token * tokens * self.safety_factor
         energy = joules * self.tariff.overhead
-        amount = _round_up(energy / JOULES_PER_KWH * self.tariff.max_price())
+        amount = _round_up(energy * self.tariff.max_price() / JOULES_PER_KWH)
         # Never a zero hold: a call that cannot cost nothing must hold something.
         return CallEstimate(tokens, joules, max(amount, QUANTUM))
 

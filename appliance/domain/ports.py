@@ -269,6 +269,16 @@ class SpendStore(Protocol):
         self, lease: LeaseRef, *, reason: str, actor: str, now: datetime | None
     ) -> bool: ...
 
+    async def defer(
+        self,
+        lease: LeaseRef,
+        *,
+        delay: timedelta,
+        reason: str,
+        actor: str,
+        now: datetime | None,
+    ) -> bool: ...
+
     async def run_reserve(
         self,
         *,

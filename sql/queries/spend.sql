@@ -169,3 +169,17 @@ ORDER BY model;
 -- name: spend_platform_month :one
 -- Charge the month's amortisation once, as a platform cost.
 SELECT spend_platform_month(%(now)s::timestamptz) AS charged;
+
+-- name: message_defer :one
+-- Give a running attempt back to pending after `delay`, not counted as an attempt (the cap is not exhausted, only held by calls in flight that will settle below their reservations).
+UPDATE agent_messages m
+SET status = 'pending',
+    attempts = greatest(m.attempts - 1, 0),
+    not_before = coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
+    lease_expires_at = NULL,
+    lease_token = NULL,
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+RETURNING m.id;

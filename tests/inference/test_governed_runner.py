@@ -215,3 +215,24 @@ async def test_external_writes_are_reserved_before_they_happen(rig: Rig) -> None
     await rig.wait(dead, what="writes exhausted")
     (row,) = await rig.rows("SELECT status_reason FROM agent_messages WHERE pipeline = 'writes'")
     assert row["status_reason"].startswith("budget_exhausted: writes")
+
+
+async def test_work_waits_briefly_while_the_cap_is_only_held_by_calls_in_flight(
+    rig: Rig,
+) -> None:
+    # Room for one reservation at a time (about 0.013 EUR each here), though each call settles
+    # far below it: the second call is deferred, not held, and runs once the first settles.
+    await rig.spend.set_cap("appliance", Decimal("0.02"))
+    ids = [await submit(rig, "label", f"d{i}") for i in range(3)]
+
+    async def done() -> bool:
+        return await rig.status_of("label") == ["done"] * 3
+
+    await rig.wait(done, what="all three done")
+    reasons = await rig.rows(
+        "SELECT reason FROM message_transitions WHERE message_id = ANY(%(ids)s) "
+        "AND to_status = 'pending' AND reason LIKE 'deferred:%%'",
+        {"ids": ids},
+    )
+    assert reasons, "no call was deferred: the cap never filled"
+    assert await rig.rows("SELECT id FROM agent_messages WHERE status = 'held_budget'") == []
