@@ -347,7 +347,11 @@ async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         if args.cap is not None:
             cap = cli_spend._amount(args.cap)
             await svc.spend.set_cap("appliance", cap, actor="demo")
-            print(f"monthly cap set to {cli_spend._fmt(cap)} for this demo")
+            resumed = await svc.spend.resume_budget(reason=f"cap_set: appliance {cap}", now=None)
+            print(
+                f"monthly cap set to {cli_spend._fmt(cap)} for this demo "
+                f"({resumed} messages held for budget resumed)"
+            )
         batch = f"{int(time.time())}"
         tickets = [SAMPLE_TICKETS[i % len(SAMPLE_TICKETS)] for i in range(args.count)]
         requests = [

@@ -339,7 +339,12 @@ async def _serve(
         await store.sync_pipelines(pipelines)
         spend: PgSpendStore | None = None
         governor: Governor | None = None
-        if settings.spend.enabled:
+        if not settings.spend.enabled:
+            log.warning(
+                "spend.enabled is false: no monthly cap and no run budgets are enforced by "
+                "this runner (the hop limit still is)"
+            )
+        else:
             spend = PgSpendStore(db)
             await configure_spend(settings, spend)
             governor = Governor(

@@ -148,9 +148,11 @@ class Maintenance:
             month = await self.spend.month(now=None)
             if month != self._month:
                 await self.spend.platform_month(now=None)
-            if self._month is not None and month != self._month:
-                n = await self.spend.resume_budget(reason=f"month_rollover: {month}", now=None)
-                log.info("month %s began: resumed %d messages held for budget", month, n)
+            # Every check, not only at a boundary this process saw: a runner that was down at
+            # midnight, or a hold committed just after a sweep, still resumes.
+            n = await self.spend.resume_stale(now=None)
+            if n:
+                log.info("month %s: resumed %d messages held for budget last month", month, n)
             self._month = month
         except Exception:
             log.exception("month rollover check failed")

@@ -520,6 +520,15 @@ BEGIN
         RAISE EXCEPTION 'spend_reserve: the amount must be > 0 (a call that cannot be priced '
                         'is refused)';
     END IF;
+    -- Only the current holder of a lease may spend for its message: a worker whose lease was
+    -- reclaimed cannot take a hold the reclaimer would never see.
+    IF p_message_id IS NOT NULL AND NOT EXISTS (
+        SELECT FROM agent_messages am
+        WHERE am.id = p_message_id AND am.lease_token = p_lease_token AND am.status = 'running'
+    ) THEN
+        RAISE EXCEPTION 'spend_reserve: message % is not running under lease %',
+            p_message_id, p_lease_token USING ERRCODE = 'lock_not_available';
+    END IF;
     SELECT * INTO cfg FROM spend_config;
     m := spend_month(at);
     -- The month's rows start once (a rollover creates them on its first reservation).
@@ -586,18 +595,42 @@ CREATE FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy
 DECLARE
     at timestamptz := coalesce(p_now, now());
     h record;
+    late spend_ledger;
 BEGIN
     IF p_status NOT IN ('settled', 'released') THEN
         RAISE EXCEPTION 'spend_settle: status must be settled or released, not %', p_status;
     END IF;
+    SELECT l.* INTO late FROM spend_ledger l WHERE l.id = p_hold FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'spend_settle: no hold %', p_hold;
+    END IF;
+    -- The month's rows in scope order, as spend_reserve locks them: no deadlock between a
+    -- settlement and a reservation of the same tenant.
+    PERFORM 1 FROM spend_months sm
+    WHERE sm.month = late.month AND sm.scope IN ('appliance', 'tenant:' || late.tenant)
+    ORDER BY sm.scope
+    FOR UPDATE;
+    IF late.status <> 'reserved' THEN
+        IF late.status = 'released' AND p_status = 'settled' AND p_amount > 0
+           AND late.note LIKE 'lease gone%' THEN
+            INSERT INTO spend_ledger (month, tenant, lane, message_id, lease_token, pipeline,
+                                      stage, kind, model, tier, status, reserved, amount,
+                                      energy_joules, provenance, note, created_at, settled_at)
+            VALUES (late.month, late.tenant, late.lane, late.message_id, late.lease_token,
+                    late.pipeline, late.stage, late.kind, late.model, late.tier, 'settled', 0,
+                    p_amount, p_energy, p_provenance,
+                    'late: the call ended after its hold ' || p_hold || ' was released', at, at);
+            UPDATE spend_months sm SET spent = sm.spent + p_amount
+            WHERE sm.month = late.month AND sm.scope IN ('appliance', 'tenant:' || late.tenant);
+            RETURN p_amount;
+        END IF;
+        RETURN NULL;
+    END IF;
     UPDATE spend_ledger l
     SET status = p_status, amount = p_amount, energy_joules = p_energy,
         provenance = p_provenance, settled_at = at, note = coalesce(p_note, l.note)
-    WHERE l.id = p_hold AND l.status = 'reserved'
+    WHERE l.id = p_hold
     RETURNING l.month, l.tenant, l.reserved INTO h;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
     UPDATE spend_months sm
     SET reserved = sm.reserved - h.reserved, spent = sm.spent + p_amount
     WHERE sm.month = h.month AND sm.scope IN ('appliance', 'tenant:' || h.tenant);
@@ -671,6 +704,7 @@ CREATE TABLE appliance.agent_messages (
     run_deadline timestamp with time zone,
     hops integer DEFAULT 0 NOT NULL,
     waiting_for text,
+    wait_expires_at timestamp with time zone,
     CONSTRAINT agent_messages_attempts_check CHECK ((attempts >= 0)),
     CONSTRAINT agent_messages_directive_check CHECK ((btrim(directive) <> ''::text)),
     CONSTRAINT agent_messages_hops_check CHECK ((hops >= 0)),
@@ -1288,6 +1322,12 @@ CREATE INDEX agent_messages_deadline_idx ON appliance.agent_messages USING btree
 CREATE INDEX agent_messages_finished_at_idx ON appliance.agent_messages USING btree (finished_at) WHERE (status = ANY (ARRAY['done'::appliance.message_status, 'cancelled'::appliance.message_status, 'expired'::appliance.message_status]));
 
 --
+-- Name: agent_messages_held_budget_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_held_budget_idx ON appliance.agent_messages USING btree (updated_at) WHERE (status = 'held_budget'::appliance.message_status);
+
+--
 -- Name: agent_messages_lane_created_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1304,6 +1344,12 @@ CREATE INDEX agent_messages_lane_tenant_priority_not_before_id_idx ON appliance.
 --
 
 CREATE INDEX agent_messages_lease_expires_at_idx ON appliance.agent_messages USING btree (lease_expires_at) WHERE (status = 'running'::appliance.message_status);
+
+--
+-- Name: agent_messages_wait_expires_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_wait_expires_at_idx ON appliance.agent_messages USING btree (wait_expires_at) WHERE (wait_expires_at IS NOT NULL);
 
 --
 -- Name: agent_messages_waiting_capability_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner

@@ -142,16 +142,18 @@ class Governor:
         completion_tokens: int | None,
         prompt_tokens: int | None,
         failed: bool,
+        usage_unknown: bool = False,
     ) -> Decimal:
         """Charge what the call used (its energy at the tariff) and give back the rest."""
         local = self.clock().astimezone(self.config.time_zone)
         note = None
         if energy_joules is not None:
             amount = self.config.pricing.tariff.cost(energy_joules, local)
-        elif failed:
+        elif failed and not usage_unknown:
             amount = Decimal(0)  # it never ran (refused, cancelled before its start)
         else:
-            # It ran but no meter figure came back: charge the whole reservation, never less.
+            # It ran (or may have) but no meter figure came back: charge the whole
+            # reservation, never less.
             amount = admission.estimate.amount
             provenance = "estimated"
             note = "no energy figure: charged the reservation"
@@ -165,7 +167,7 @@ class Governor:
                 amount=amount,
                 energy_joules=energy_joules,
                 provenance=provenance,
-                released=failed and amount == 0,
+                released=failed and amount == 0 and not usage_unknown,
                 note=note,
                 now=None,
             )

@@ -14,7 +14,6 @@ import logging
 import os
 import random
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from appliance.domain.inference import (
     InferenceResult,
     InferenceService,
     OutputInvalid,
+    QueueFull,
     Route,
     Tier,
     min_tier,
@@ -50,6 +50,19 @@ from appliance.domain.retry import RetryPolicy
 log = logging.getLogger("appliance.runner")
 
 CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
+
+
+def _call_status(exc: BaseException) -> tuple[str, str]:
+    """How a failed call is recorded: its status in inference_calls and the error text."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled", "the handler was cancelled while the call was out"
+    if isinstance(exc, CallCancelled):
+        return "cancelled", str(exc)
+    if isinstance(exc, (DeadlineExceeded, CapabilityUnavailable, QueueFull)):
+        return "refused", str(exc)
+    if isinstance(exc, OutputInvalid):
+        return "invalid_output", str(exc)
+    return "error", f"{type(exc).__name__}: {exc}"
 
 
 # A representative task kind per tier, to ask the routing policy about a tier as a whole.
@@ -110,6 +123,7 @@ class _Attempt:
     context: StageContext
     cancelled: asyncio.Event
     tier: Tier | None = None  # the tier its stage's model work is counted against
+    step_reserved: bool = False  # one step of its run's budget was reserved for it
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     hard_cancel_at: float | None = None
@@ -351,7 +365,10 @@ class Runner:
             found = route(_KIND_OF[need], available)
             if found is None:
                 continue
-            room = self.inference.capacity(found.tier) - self._model_attempts(found.tier)
+            room = min(
+                self.inference.capacity(found.tier) - self._model_attempts(found.tier),
+                self.inference.room(found.tier),
+            )
             if room <= 0:
                 blocked.append(need)
             else:
@@ -416,10 +433,11 @@ class Runner:
                     attempt, f"no handler registered for {message.pipeline}.{message.stage}"
                 )
                 return
-            await self._check_run(attempt)
             if stage.tier is not None and self._route_stage(stage) is None:
+                # Checked before the run budget: parking does not use up a step.
                 await self._park(attempt, stage.task_kind, stage.tier)
                 return
+            await self._check_run(attempt)
             deadline = attempt.context.deadline
             timeout = None
             if deadline is not None:
@@ -456,14 +474,22 @@ class Runner:
             return
         except CapabilityUnavailable as exc:
             # No tier allowed to do this work is up: it waits, visibly, and is never sent to a
-            # weaker model. Not a failure: the attempt is not counted.
-            await self._park(attempt, exc.kind, exc.tier)
+            # weaker model. Not a failure: the attempt is not counted. It waits for the weakest
+            # tier its kind allows (the one that failed may have been an upgrade).
+            await self._give_back_step(attempt)
+            await self._park(attempt, exc.kind, min_tier(exc.kind))
         except BudgetBusy as exc:
             # The cap has room once the calls in flight settle: try again in a moment.
+            await self._give_back_step(attempt)
             await self._defer(attempt, exc.reason)
+        except QueueFull as exc:
+            # The pool had no room after all (several calls in one handler): not a failure.
+            await self._give_back_step(attempt)
+            await self._defer(attempt, f"deferred: {exc}")
         except BudgetHeld as exc:
             # No hold against the monthly cap: it waits for a raised cap or a new month. Never a
             # retry (that would be a storm against a closed cap).
+            await self._give_back_step(attempt)
             await self._hold_budget(attempt, exc.reason)
         except BudgetExhausted as exc:
             # The run used up a dimension of its budget: the message ends, naming it.
@@ -516,30 +542,20 @@ class Runner:
         status, error, result = "ok", None, None
         energy: float | None = None
         provenance: str | None = None
+        usage_unknown = False
         try:
             result = await self.inference.infer(request, found.tier, control)
             energy, provenance = result.energy_joules, result.energy_provenance
             return dataclasses.replace(result, route=found)
-        except CallCancelled as exc:
-            status, error = "cancelled", str(exc)
-            raise
-        except DeadlineExceeded as exc:
-            status, error = "refused", str(exc)
-            raise
-        except CapabilityUnavailable as exc:
-            status, error = "refused", str(exc)
-            raise
-        except OutputInvalid as exc:
-            status, error = "invalid_output", str(exc)
-            raise
-        except Exception as exc:
-            status, error = "error", f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:
+            status, error = _call_status(exc)
+            if isinstance(exc, InferenceError):
+                energy, provenance = exc.energy_joules, exc.energy_provenance
+            # Our task was cancelled (lease lost, overrun, shutdown) while the call was out:
+            # what it used is not known here, so it is charged its whole reservation.
+            usage_unknown = isinstance(exc, asyncio.CancelledError)
             raise
         finally:
-            if isinstance(sys.exc_info()[1], InferenceError):
-                failed_with = sys.exc_info()[1]
-                energy = getattr(failed_with, "energy_joules", None)
-                provenance = getattr(failed_with, "energy_provenance", None)
             if admission is not None and self.governor is not None:
                 try:
                     await self.governor.settle(
@@ -550,6 +566,7 @@ class Runner:
                         completion_tokens=result.completion_tokens if result else 0,
                         prompt_tokens=result.prompt_tokens if result else 0,
                         failed=result is None,
+                        usage_unknown=usage_unknown,
                     )
                 except Exception:
                     # The hold stays reserved; the reclaimer releases it once the lease is gone.
@@ -593,6 +610,23 @@ class Runner:
             await self.governor.reserve_steps(
                 message, budget, verification=bool(stage and stage.verification), ask={"steps": 1}
             )
+            attempt.step_reserved = True
+
+    async def _give_back_step(self, attempt: _Attempt) -> None:
+        """An attempt that waits instead of working does not use up a step of its run."""
+        if not attempt.step_reserved or self.governor is None:
+            return
+        attempt.step_reserved = False
+        message = attempt.message
+        try:
+            await self.governor.spend.run_adjust(
+                tenant=message.tenant,
+                source=message.source,
+                source_id=message.source_id,
+                delta={"steps": -1},
+            )
+        except Exception:
+            log.exception("could not give back a step of message %s", message.id)
 
     async def _reserve_run(self, attempt: _Attempt, ask: dict[str, object]) -> None:
         message = attempt.message
@@ -642,11 +676,10 @@ class Runner:
             log.exception("could not hold message %s for budget", attempt.message.id)
 
     async def _defer(self, attempt: _Attempt, reason: str) -> None:
-        if self.governor is None:
-            return
-        delay = self.config.budget_busy_delay
+        # Jittered, so deferred messages do not come back in step.
+        delay = self.config.budget_busy_delay * self.rng.uniform(1.0, 2.0)
         try:
-            if await self.governor.spend.defer(
+            if await self.store.defer(
                 attempt.lease, delay=delay, reason=reason, actor=self.config.worker_id, now=None
             ):
                 self.stats.deferred += 1
@@ -656,15 +689,9 @@ class Runner:
 
     async def _terminate(self, attempt: _Attempt, reason: str) -> None:
         try:
-            if self.governor is not None:
-                done = await self.governor.spend.terminate(
-                    attempt.lease, reason=reason, actor=self.config.worker_id, now=None
-                )
-            else:
-                done = False
-            if not done:
-                await self._fail(attempt, reason)
-            else:
+            if await self.store.terminate(
+                attempt.lease, reason=reason, actor=self.config.worker_id, now=None
+            ):
                 self.stats.budget_exhausted += 1
         except Exception:
             log.exception("could not end message %s (%s)", attempt.message.id, reason)

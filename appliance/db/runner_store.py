@@ -102,6 +102,48 @@ class PgRunnerStore(PgMessageStore):
             if len(rows) < batch:
                 return total
 
+    async def terminate(
+        self,
+        lease: LeaseRef,
+        *,
+        reason: str,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> bool:
+        """End a running attempt for good (dead, with the reason), fenced by its lease."""
+        params = {
+            "id": lease.message_id,
+            "token": lease.lease_token,
+            "reason": reason,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_terminate"), params)).fetchone()
+        return row is not None
+
+    async def defer(
+        self,
+        lease: LeaseRef,
+        *,
+        delay: timedelta,
+        reason: str,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> bool:
+        """Back to pending after `delay`, the attempt not counted (fenced by the lease)."""
+        params = {
+            "id": lease.message_id,
+            "token": lease.lease_token,
+            "delay": delay,
+            "reason": reason,
+            "actor": actor,
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_defer"), params)).fetchone()
+        return row is not None
+
     async def record_call(self, record: CallRecord) -> None:
         """Store one model call against its message."""
         params = {

@@ -4,7 +4,7 @@ and the messages parked for budget (the SpendStore port)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -187,45 +187,20 @@ class PgSpendStore:
             if len(rows) < batch:
                 return total
 
-    async def defer(
-        self,
-        lease: LeaseRef,
-        *,
-        delay: timedelta,
-        reason: str,
-        actor: str = SYSTEM_ACTOR,
-        now: datetime | None = None,
-    ) -> bool:
-        params = {
-            "id": lease.message_id,
-            "token": lease.lease_token,
-            "delay": delay,
-            "reason": reason,
-            "actor": actor,
-            "now": now,
-        }
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("message_defer"), params)).fetchone()
-        return row is not None
-
-    async def terminate(
-        self,
-        lease: LeaseRef,
-        *,
-        reason: str,
-        actor: str = SYSTEM_ACTOR,
-        now: datetime | None = None,
-    ) -> bool:
-        params = {
-            "id": lease.message_id,
-            "token": lease.lease_token,
-            "reason": reason,
-            "actor": actor,
-            "now": now,
-        }
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("message_terminate"), params)).fetchone()
-        return row is not None
+    async def resume_stale(
+        self, *, actor: str = SYSTEM_ACTOR, batch: int = 500, now: datetime | None = None
+    ) -> int:
+        """Resume messages held for budget in an earlier month (all batches)."""
+        params = {"actor": actor, "batch": batch, "now": now}
+        total = 0
+        while True:
+            async with self.db.system_conn() as conn:
+                rows = await (
+                    await conn.execute(q("message_resume_budget_stale"), params)
+                ).fetchall()
+            total += len(rows)
+            if len(rows) < batch:
+                return total
 
     async def run_reserve(
         self,

@@ -213,6 +213,20 @@ class RunnerStore(MessageStore, Protocol):
 
     async def record_call(self, record: CallRecord) -> None: ...
 
+    async def terminate(
+        self, lease: LeaseRef, *, reason: str, actor: str, now: datetime | None
+    ) -> bool: ...
+
+    async def defer(
+        self,
+        lease: LeaseRef,
+        *,
+        delay: timedelta,
+        reason: str,
+        actor: str,
+        now: datetime | None,
+    ) -> bool: ...
+
     async def register_runner(self, info: dict[str, Any]) -> None: ...
 
     async def report_runner(self, info: dict[str, Any]) -> None: ...
@@ -264,20 +278,6 @@ class SpendStore(Protocol):
     async def resume_budget(
         self, *, reason: str, actor: str, batch: int, now: datetime | None
     ) -> int: ...
-
-    async def terminate(
-        self, lease: LeaseRef, *, reason: str, actor: str, now: datetime | None
-    ) -> bool: ...
-
-    async def defer(
-        self,
-        lease: LeaseRef,
-        *,
-        delay: timedelta,
-        reason: str,
-        actor: str,
-        now: datetime | None,
-    ) -> bool: ...
 
     async def run_reserve(
         self,

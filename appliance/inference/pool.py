@@ -191,6 +191,8 @@ class _Worker(threading.Thread):
         finally:
             self.alive = False
             self._drop()
+            # The last worker of a tier gone: what waits in its queue can never run here.
+            self.tier.fail_queued_if_dead()
             self.tier.changed()
 
     def _serve(self, job: _Job) -> None:
@@ -259,7 +261,10 @@ class _Worker(threading.Thread):
                     f"cancelled; generation stopped after {stop.tokens} tokens", stop.tokens
                 )
             tier.count(requests_refused=1)
-            return DeadlineExceeded("the call ran out of time; generation stopped")
+            return DeadlineExceeded(
+                f"the call ran past its timeout of {job.timeout:.1f} s; generation stopped "
+                f"after {stop.tokens} tokens"
+            )
         except Exception as exc:
             tier.count(requests_failed=1)
             log.warning("%s: call failed (%s); rebuilding the worker", self.name, exc)
@@ -461,6 +466,15 @@ class TierPool:
         self.changed()
         return True
 
+    def fail_queued_if_dead(self) -> None:
+        with self._cond:
+            if self.alive > 0:
+                return
+            left = list(self._queue)
+            self._queue.clear()
+        for job in left:
+            job.resolve(CapabilityUnavailable(job.request.kind, self.spec.tier))
+
     def close(self) -> list[_Job]:
         with self._cond:
             self._closed = True
@@ -522,7 +536,8 @@ class InferencePool:
         total = sum(s.workers for s in specs)
         tiers = [s.tier for s in specs]
         if len(set(tiers)) != len(tiers):
-            raise ConfigurationError("inference: a tier is configured twice")
+            twice = sorted({t.value for t in tiers if tiers.count(t) > 1})
+            raise ConfigurationError(f"inference: tier {', '.join(twice)} is configured twice")
         auto = max(1, cores // max(total, 1))
         threads = {s.tier: s.n_threads or auto for s in specs}
         used = sum(threads[s.tier] * s.workers for s in specs)
@@ -569,8 +584,12 @@ class InferencePool:
 
     async def start_tier(self, spec: TierSpec) -> None:
         """Bring a tier up (again); its waiting work resumes once it is loaded."""
-        if spec.tier in self._tiers:
+        current = self._tiers.get(spec.tier)
+        if current is not None and current.alive > 0:
             raise ConfigurationError(f"inference: tier {spec.tier.value} is already up")
+        if current is not None:
+            # Its workers all failed: replace them.
+            await self._close_tier(self._tiers.pop(spec.tier))
         threads = spec.n_threads or max(1, (os.cpu_count() or 1) // max(1, spec.workers))
         pool = TierPool(spec, threads, self._changed, self.meter)
         self._tiers[spec.tier] = pool

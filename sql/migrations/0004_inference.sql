@@ -5,10 +5,15 @@
 ALTER TABLE pipeline_stages ADD COLUMN tier text
     CHECK (tier IS NULL OR tier IN ('mechanical', 'reasoning'));
 
--- What a message in waiting_capability waits for (the weakest tier that may serve it).
-ALTER TABLE agent_messages ADD COLUMN waiting_for text;
+-- What a waiting message waits for (the weakest tier that may serve it, or 'budget'), and until
+-- when: every wait has an expiry of its own, which never shortens the message's deadline.
+ALTER TABLE agent_messages
+    ADD COLUMN waiting_for text,
+    ADD COLUMN wait_expires_at timestamptz;
 CREATE INDEX agent_messages_waiting_capability_idx
     ON agent_messages (waiting_for) WHERE status = 'waiting_capability';
+CREATE INDEX agent_messages_wait_expires_at_idx
+    ON agent_messages (wait_expires_at) WHERE wait_expires_at IS NOT NULL;
 
 -- One row per model call: which model (name and hash) on which tier, why, tokens and timings.
 -- The routing audit trail: a reasoning call served by a mechanical model would show here.

@@ -57,6 +57,9 @@ CREATE TABLE spend_ledger (
     settled_at timestamptz
 );
 CREATE INDEX spend_ledger_reserved_idx ON spend_ledger (message_id) WHERE status = 'reserved';
+-- Held work by when it was held: the month rollover's path.
+CREATE INDEX agent_messages_held_budget_idx
+    ON agent_messages (updated_at) WHERE status = 'held_budget';
 CREATE INDEX spend_ledger_month_idx ON spend_ledger (month, tenant);
 CREATE INDEX spend_ledger_message_idx ON spend_ledger (message_id);
 
@@ -95,6 +98,15 @@ BEGIN
     IF p_amount IS NULL OR p_amount <= 0 THEN
         RAISE EXCEPTION 'spend_reserve: the amount must be > 0 (a call that cannot be priced '
                         'is refused)';
+    END IF;
+    -- Only the current holder of a lease may spend for its message: a worker whose lease was
+    -- reclaimed cannot take a hold the reclaimer would never see.
+    IF p_message_id IS NOT NULL AND NOT EXISTS (
+        SELECT FROM agent_messages am
+        WHERE am.id = p_message_id AND am.lease_token = p_lease_token AND am.status = 'running'
+    ) THEN
+        RAISE EXCEPTION 'spend_reserve: message % is not running under lease %',
+            p_message_id, p_lease_token USING ERRCODE = 'lock_not_available';
     END IF;
     SELECT * INTO cfg FROM spend_config;
     m := spend_month(at);
@@ -150,8 +162,9 @@ END
 $$;
 
 -- Settle (or release) a hold to what the call really cost, in the month it was taken, and
--- record the alert fractions crossed. Idempotent: a hold already settled or released changes
--- nothing and returns NULL.
+-- record the alert fractions crossed. Idempotent: a hold already settled changes nothing and
+-- returns NULL. A call that finished after the reclaimer released its hold (its lease was lost
+-- while it ran) is still charged what it measured, as a late entry: nothing it used is dropped.
 CREATE FUNCTION spend_settle(
     p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text,
     p_status text, p_note text, p_now timestamptz
@@ -160,18 +173,42 @@ CREATE FUNCTION spend_settle(
 DECLARE
     at timestamptz := coalesce(p_now, now());
     h record;
+    late spend_ledger;
 BEGIN
     IF p_status NOT IN ('settled', 'released') THEN
         RAISE EXCEPTION 'spend_settle: status must be settled or released, not %', p_status;
     END IF;
+    SELECT l.* INTO late FROM spend_ledger l WHERE l.id = p_hold FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'spend_settle: no hold %', p_hold;
+    END IF;
+    -- The month's rows in scope order, as spend_reserve locks them: no deadlock between a
+    -- settlement and a reservation of the same tenant.
+    PERFORM 1 FROM spend_months sm
+    WHERE sm.month = late.month AND sm.scope IN ('appliance', 'tenant:' || late.tenant)
+    ORDER BY sm.scope
+    FOR UPDATE;
+    IF late.status <> 'reserved' THEN
+        IF late.status = 'released' AND p_status = 'settled' AND p_amount > 0
+           AND late.note LIKE 'lease gone%' THEN
+            INSERT INTO spend_ledger (month, tenant, lane, message_id, lease_token, pipeline,
+                                      stage, kind, model, tier, status, reserved, amount,
+                                      energy_joules, provenance, note, created_at, settled_at)
+            VALUES (late.month, late.tenant, late.lane, late.message_id, late.lease_token,
+                    late.pipeline, late.stage, late.kind, late.model, late.tier, 'settled', 0,
+                    p_amount, p_energy, p_provenance,
+                    'late: the call ended after its hold ' || p_hold || ' was released', at, at);
+            UPDATE spend_months sm SET spent = sm.spent + p_amount
+            WHERE sm.month = late.month AND sm.scope IN ('appliance', 'tenant:' || late.tenant);
+            RETURN p_amount;
+        END IF;
+        RETURN NULL;
+    END IF;
     UPDATE spend_ledger l
     SET status = p_status, amount = p_amount, energy_joules = p_energy,
         provenance = p_provenance, settled_at = at, note = coalesce(p_note, l.note)
-    WHERE l.id = p_hold AND l.status = 'reserved'
+    WHERE l.id = p_hold
     RETURNING l.month, l.tenant, l.reserved INTO h;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
     UPDATE spend_months sm
     SET reserved = sm.reserved - h.reserved, spent = sm.spent + p_amount
     WHERE sm.month = h.month AND sm.scope IN ('appliance', 'tenant:' || h.tenant);

@@ -78,8 +78,8 @@ WHERE id = %(id)s
 RETURNING id;
 
 -- name: message_expire_deadline :many
--- Expire waiting or pending messages whose deadline has passed (a bounded batch), instead of running them late.
-WITH victims AS MATERIALIZED (
+-- Expire waiting or pending messages whose deadline, or whose wait's own expiry, has passed (a bounded batch), instead of running them late.
+WITH late AS MATERIALIZED (
     SELECT id FROM agent_messages
     WHERE deadline <= coalesce(%(now)s::timestamptz, now())
       AND deadline IS NOT NULL
@@ -87,12 +87,29 @@ WITH victims AS MATERIALIZED (
     ORDER BY deadline
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
+),
+waited AS MATERIALIZED (
+    SELECT id FROM agent_messages
+    WHERE wait_expires_at <= coalesce(%(now)s::timestamptz, now())
+      AND wait_expires_at IS NOT NULL
+      AND status IN ('awaiting_approval', 'held_budget', 'waiting_capability')
+      AND id NOT IN (SELECT id FROM late)
+    ORDER BY wait_expires_at
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+),
+victims AS (
+    SELECT id, false AS wait FROM late
+    UNION ALL
+    SELECT id, true AS wait FROM waited
 )
 UPDATE agent_messages m
 SET status = 'expired',
     finished_at = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
-    status_reason = 'deadline_passed',
+    status_reason = CASE WHEN victims.wait
+                         THEN 'wait_expired: ' || coalesce(m.waiting_for, m.status::text)
+                         ELSE 'deadline_passed' END,
     status_actor = %(actor)s
 FROM victims
 WHERE m.id = victims.id

@@ -235,7 +235,7 @@ UPDATE agent_messages m
 SET status = 'waiting_capability',
     waiting_for = %(tier)s,
     attempts = greatest(m.attempts - 1, 0),
-    deadline = least(m.deadline, %(expires_at)s::timestamptz),
+    wait_expires_at = %(expires_at)s::timestamptz,
     lease_expires_at = NULL,
     lease_token = NULL,
     updated_at = coalesce(%(now)s::timestamptz, now()),
@@ -257,6 +257,7 @@ WITH ready AS (
 UPDATE agent_messages m
 SET status = 'pending',
     waiting_for = NULL,
+    wait_expires_at = NULL,
     not_before = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = 'capability_available: ' || m.waiting_for,
@@ -283,3 +284,31 @@ SELECT kind, tier, min_tier, route_reason, model, model_sha256, status, error, p
 FROM inference_calls
 WHERE message_id = %(message_id)s
 ORDER BY id;
+
+-- name: message_terminate :one
+-- End a running attempt for good under its lease: dead, with the reason (a run budget exhausted, too many hops); never retried.
+UPDATE agent_messages m
+SET status = 'dead',
+    error = %(reason)s,
+    lease_expires_at = NULL,
+    lease_token = NULL,
+    finished_at = coalesce(%(now)s::timestamptz, now()),
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+RETURNING m.id;
+
+-- name: message_defer :one
+-- Give a running attempt back to pending after `delay`, not counted as an attempt (the cap is not exhausted, only held by calls in flight that will settle below their reservations).
+UPDATE agent_messages m
+SET status = 'pending',
+    attempts = greatest(m.attempts - 1, 0),
+    not_before = coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
+    lease_expires_at = NULL,
+    lease_token = NULL,
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = %(reason)s,
+    status_actor = %(actor)s
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+RETURNING m.id;

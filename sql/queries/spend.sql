@@ -89,7 +89,7 @@ UPDATE agent_messages m
 SET status = 'held_budget',
     waiting_for = 'budget',
     attempts = greatest(m.attempts - 1, 0),
-    deadline = least(m.deadline, %(expires_at)s::timestamptz),
+    wait_expires_at = %(expires_at)s::timestamptz,
     lease_expires_at = NULL,
     lease_token = NULL,
     updated_at = coalesce(%(now)s::timestamptz, now()),
@@ -110,6 +110,7 @@ WITH ready AS (
 UPDATE agent_messages m
 SET status = 'pending',
     waiting_for = NULL,
+    wait_expires_at = NULL,
     not_before = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = %(reason)s,
@@ -118,18 +119,26 @@ FROM ready
 WHERE m.id = ready.id
 RETURNING m.id;
 
--- name: message_terminate :one
--- End a running attempt for good under its lease: dead, with the reason (a run budget exhausted, too many hops); never retried.
+-- name: message_resume_budget_stale :many
+-- Messages held for budget in an earlier month go back to pending: the month rolled over (also when no runner saw the boundary itself); a bounded batch.
+WITH ready AS (
+    SELECT m.id FROM agent_messages m
+    WHERE m.status = 'held_budget'
+      AND spend_month(m.updated_at) < spend_month(coalesce(%(now)s::timestamptz, now()))
+    ORDER BY m.id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
 UPDATE agent_messages m
-SET status = 'dead',
-    error = %(reason)s,
-    lease_expires_at = NULL,
-    lease_token = NULL,
-    finished_at = coalesce(%(now)s::timestamptz, now()),
+SET status = 'pending',
+    waiting_for = NULL,
+    wait_expires_at = NULL,
+    not_before = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
-    status_reason = %(reason)s,
+    status_reason = 'month_rollover: ' || spend_month(coalesce(%(now)s::timestamptz, now())),
     status_actor = %(actor)s
-WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+FROM ready
+WHERE m.id = ready.id
 RETURNING m.id;
 
 -- name: run_budget_reserve :one
@@ -169,17 +178,3 @@ ORDER BY model;
 -- name: spend_platform_month :one
 -- Charge the month's amortisation once, as a platform cost.
 SELECT spend_platform_month(%(now)s::timestamptz) AS charged;
-
--- name: message_defer :one
--- Give a running attempt back to pending after `delay`, not counted as an attempt (the cap is not exhausted, only held by calls in flight that will settle below their reservations).
-UPDATE agent_messages m
-SET status = 'pending',
-    attempts = greatest(m.attempts - 1, 0),
-    not_before = coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
-    lease_expires_at = NULL,
-    lease_token = NULL,
-    updated_at = coalesce(%(now)s::timestamptz, now()),
-    status_reason = %(reason)s,
-    status_actor = %(actor)s
-WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
-RETURNING m.id;

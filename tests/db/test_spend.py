@@ -15,6 +15,7 @@ from appliance.db.spend_store import PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.budget import Refusal, RunBudget
 from appliance.domain.envelope import Lane
+from appliance.domain.inference import Tier
 
 A = Decimal("0.000123457")  # one call's worst case: not a round number on purpose
 
@@ -236,3 +237,60 @@ async def test_wall_time_and_giving_back_unused_reservations(spend: PgSpendStore
     await spend.run_adjust(tenant="acme", source="t", source_id="r1", delta={"tokens": -600})
     assert await run_reserve(spend, {"tokens": 700}, now=start) is None  # 100 + 700 <= 800
     assert await run_reserve(spend, {"steps": 1}, now=start + timedelta(minutes=6)) == "wall_time"
+
+
+async def test_a_wait_expires_by_its_own_expiry_and_resumes_clear_it(
+    spend: PgSpendStore, db: Database
+) -> None:
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    store = PgRunnerStore(db)
+    bus = Bus(store)
+    now = datetime.now(UTC)
+    for i in range(2):
+        await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id=f"w{i}",
+                          directive="d", deadline=now + timedelta(days=30))  # fmt: skip
+    first, second = await bus.claim("w", limit=2)
+    assert await spend.hold_budget(first.lease, reason="held_budget: test",
+                                   expires_at=now + timedelta(minutes=5), now=None)  # fmt: skip
+    assert await store.wait_capability(second.lease, tier=Tier.REASONING,
+                                       expires_at=now + timedelta(hours=2), reason="waiting",
+                                       actor="w", now=None)  # fmt: skip
+    # The message's deadline (30 days) is untouched; the wait's own expiry ends the first.
+    assert await bus.expire(now=now + timedelta(minutes=10)) == 1
+    got = await bus.get("acme", first.id)
+    assert got is not None and got.status.value == "expired"
+    assert got.deadline == first.deadline
+    log = await store.transitions("acme", first.id)
+    assert log[-1]["reason"] == "wait_expired: budget"
+    # Resuming clears the wait's expiry: the second runs with its whole deadline.
+    assert await store.resume_capability([Tier.REASONING], now=None) == 1
+    async with db.system_conn() as conn:
+        row = await (await conn.execute(
+            "SELECT status::text AS s, wait_expires_at, deadline FROM agent_messages WHERE id = %s",
+            (second.id,),
+        )).fetchone()  # fmt: skip
+    assert row is not None and row["s"] == "pending" and row["wait_expires_at"] is None
+    assert row["deadline"] == second.deadline
+
+
+async def test_held_work_of_an_earlier_month_resumes_whenever_it_is_seen(
+    spend: PgSpendStore, db: Database
+) -> None:
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    bus = Bus(PgRunnerStore(db))
+    await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id="m1",
+                      directive="d")  # fmt: skip
+    (message,) = await bus.claim("w", limit=1)
+    held_at = datetime(2031, 1, 20, tzinfo=UTC)
+    expires = held_at + timedelta(days=32)
+    assert await spend.hold_budget(
+        message.lease, reason="held_budget: test", expires_at=expires, now=held_at
+    )
+    assert await spend.resume_stale(now=datetime(2031, 1, 31, tzinfo=UTC)) == 0
+    assert await spend.resume_stale(now=datetime(2031, 2, 3, tzinfo=UTC)) == 1
+    got = await bus.get("acme", message.id)
+    assert got is not None and got.status.value == "pending"

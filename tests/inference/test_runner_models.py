@@ -125,11 +125,13 @@ async def test_reasoning_waits_for_its_tier_and_is_never_downgraded(
     await rig.submit("t1")
     await rig.wait(lambda: _is(rig, "t1", "draft", "waiting_capability"), what="the draft to wait")
     (draft,) = await rig.rows(
-        "SELECT id, waiting_for, status_reason, deadline FROM agent_messages WHERE stage = 'draft'"
+        "SELECT id, waiting_for, status_reason, deadline, wait_expires_at FROM agent_messages "
+        "WHERE stage = 'draft'"
     )
     assert draft["waiting_for"] == "reasoning"
     assert "never downgraded" in draft["status_reason"]
-    assert draft["deadline"] is not None  # every wait has an expiry
+    assert draft["wait_expires_at"] is not None  # every wait has an expiry of its own
+    assert draft["deadline"] is None  # and the message's own deadline is left alone
     # It stays waiting: nothing serves it on the small model in the meantime.
     await asyncio.sleep(1.0)
     assert await rig.stage_status("t1", "draft") == "waiting_capability"
