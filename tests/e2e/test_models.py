@@ -208,3 +208,27 @@ def test_support_tickets_are_classified_and_answered_by_a_real_runner(
         )
         status = run(env, "status").stdout
         assert "model mechanical" in status and "smollm2-135m-instruct-q4_1" in status
+
+
+def test_energy_calibrate_stores_labelled_estimates_and_cap_status_shows_them(
+    fresh_db: Endpoints,
+) -> None:
+    env = base_env(APPLIANCE_DATABASE_URL=fresh_db.admin, APPLIANCE_METERING__SOURCE="estimate")
+    calibrated = run(env, "energy", "calibrate", "--calls", "1", "--max-tokens", "16")
+    assert calibrated.returncode == 0, calibrated.stderr
+    assert calibrated.stdout.count("(estimated)") == 2
+    rows = query(
+        fresh_db.admin,
+        "SELECT model, sha256, joules_per_token, provenance, source FROM energy_calibration "
+        "ORDER BY model",
+    )
+    assert {r["model"] for r in rows} == {entry(Tier.MECHANICAL).name, entry(Tier.REASONING).name}
+    for row in rows:
+        assert row["provenance"] == "estimated" and row["source"] == "estimate"
+        assert float(str(row["joules_per_token"])) > 0
+    assert run(env, "cap", "set", "2.50").returncode == 0
+    status = json.loads(run(env, "cap", "status", "--json").stdout)
+    (appliance,) = [s for s in status["scopes"] if s["scope"] == "appliance"]
+    assert (appliance["cap"], appliance["spent"], appliance["remaining"]) == ("2.5", "0", "2.5")
+    bad = run(env, "cap", "set", "lots")
+    assert bad.returncode == 2 and "amount" in bad.stderr
