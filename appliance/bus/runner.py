@@ -399,8 +399,10 @@ class Runner:
         cancelled = asyncio.Event()
         attempt_ref: list[_Attempt] = []
 
-        async def inferrer(request: InferenceRequest) -> InferenceResult:
-            return await self._infer(attempt_ref[0], request)
+        async def inferrer(
+            request: InferenceRequest, parse: Callable[[str], Any] | None
+        ) -> InferenceResult:
+            return await self._infer(attempt_ref[0], request, parse)
 
         async def writer(count: int) -> None:
             await self._reserve_run(attempt_ref[0], {"writes": count})
@@ -508,7 +510,12 @@ class Runner:
             return None
         return route(stage.task_kind, self.inference.available())
 
-    async def _infer(self, attempt: _Attempt, request: InferenceRequest) -> InferenceResult:
+    async def _infer(
+        self,
+        attempt: _Attempt,
+        request: InferenceRequest,
+        parse: Callable[[str], Any] | None = None,
+    ) -> InferenceResult:
         """One model call of a handler: routed, bounded by the stage, recorded on the message."""
         assert self.inference is not None
         message = attempt.message
@@ -546,7 +553,8 @@ class Runner:
         try:
             result = await self.inference.infer(request, found.tier, control)
             energy, provenance = result.energy_joules, result.energy_provenance
-            return dataclasses.replace(result, route=found)
+            data = parse(result.text) if parse is not None else None
+            return dataclasses.replace(result, route=found, data=data)
         except BaseException as exc:
             status, error = _call_status(exc)
             if isinstance(exc, InferenceError):

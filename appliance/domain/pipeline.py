@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -40,7 +40,9 @@ class StageResult:
     outcome: str = DEFAULT_OUTCOME
 
 
-Inferrer = Callable[[InferenceRequest], Awaitable[InferenceResult]]
+# The runner's side of ctx.infer: routes, bounds and records the call; `parse` (when given)
+# turns the output into data inside the recorded call, so invalid output is recorded as such.
+Inferrer = Callable[[InferenceRequest, Callable[[str], Any] | None], Awaitable[InferenceResult]]
 
 
 @dataclass(frozen=True)
@@ -134,10 +136,10 @@ class StageContext:
             temperature=temperature,
             stop=tuple(stop),
         )
-        result = await self._inferrer(request)
         if schema is None:
-            return result
-        return replace(result, data=parse_output(result.text, schema))
+            return await self._inferrer(request, None)
+        expected = schema
+        return await self._inferrer(request, lambda text: parse_output(text, expected))
 
     @property
     def cancelled(self) -> bool:

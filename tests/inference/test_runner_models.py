@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from pydantic import field_validator
 
 from appliance.bus.core import Bus
 from appliance.bus.runner import Runner, RunnerConfig
@@ -34,11 +35,31 @@ async def quick_classify(ctx: StageContext) -> StageResult:
     return ctx.finish({"label": answer.data.label, "model": answer.model})
 
 
+class Refused(TicketLabel):
+    """A shape whose validator refuses every value: the grammar cannot express it."""
+
+    @field_validator("label")
+    @classmethod
+    def never(cls, value: str) -> str:
+        raise ValueError(f"{value!r} refused by the handler's own rule")
+
+
+async def strict_classify(ctx: StageContext) -> StageResult:
+    await ctx.infer("classify", f"Ticket: {ctx.message.directive}\nCategory:", schema=Refused,
+                    max_tokens=16)  # fmt: skip
+    return ctx.finish({"unreachable": True})
+
+
+STRICT = Pipeline(
+    "strict",
+    (Stage("classify", strict_classify, task_kind="classify", uses_model=True, max_attempts=1),),
+)
+
 TRIAGE = Pipeline(
     "triage",
     (Stage("classify", quick_classify, task_kind="classify", uses_model=True),),
 )
-PIPES = [SUPPORT, TRIAGE]
+PIPES = [SUPPORT, TRIAGE, STRICT]
 
 
 @dataclass
@@ -205,3 +226,17 @@ async def _is(rig: Rig, source_id: str, stage: str, status: str) -> bool:
 
 def test_waiting_states_are_known() -> None:
     assert MessageStatus("waiting_capability") is MessageStatus.WAITING_CAPABILITY
+
+
+async def test_output_that_does_not_parse_is_recorded_and_changes_nothing(
+    rig_factory: Callable[..., Any],
+) -> None:
+    rig: Rig = await rig_factory([spec(Tier.MECHANICAL)])
+    await rig.submit("s1", pipeline="strict")
+    await rig.wait(lambda: _is(rig, "s1", "classify", "dead"), what="the attempt to fail")
+    (call,) = await rig.rows("SELECT status, error, completion_tokens FROM inference_calls")
+    assert call["status"] == "invalid_output"
+    assert "refused by the handler's own rule" in call["error"]
+    assert call["completion_tokens"] > 0
+    (message,) = await rig.rows("SELECT tenant, error FROM agent_messages")
+    assert message["tenant"] == "acme" and "OutputInvalid" in message["error"]

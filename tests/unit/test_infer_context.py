@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -32,15 +35,18 @@ def message() -> Message:
 
 
 def context(reply: str, seen: list[InferenceRequest] | None = None) -> StageContext:
-    async def fake_model(request: InferenceRequest) -> InferenceResult:
+    async def fake_model(
+        request: InferenceRequest, parse: Callable[[str], Any] | None
+    ) -> InferenceResult:
         # Stands in for the runner's routed call: these tests are about parsing, not models.
         if seen is not None:
             seen.append(request)
-        return InferenceResult(
+        result = InferenceResult(
             text=reply, model="m", model_sha256="0" * 64, tier=Tier.MECHANICAL,
             prompt_tokens=1, completion_tokens=1, finish_reason="stop", queue_seconds=0,
             ttft_seconds=0, total_seconds=0,
         )  # fmt: skip
+        return replace(result, data=parse(reply)) if parse is not None else result
 
     return StageContext(
         message(),
