@@ -23,7 +23,7 @@ from typing import Any, cast
 from appliance.bus.governor import Admission, Governor
 from appliance.bus.slots import LaneSlots
 from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld
-from appliance.domain.envelope import EnqueueRequest, Lane, LeaseRef, Message
+from appliance.domain.envelope import EnqueueRequest, Lane, LeaseRef, Message, idempotency_key
 from appliance.domain.inference import (
     TIER_ORDER,
     CallCancelled,
@@ -656,10 +656,13 @@ class Runner:
                 pipeline=message.pipeline,
                 stage=spawn.stage,
                 source=message.source,
-                source_id=spawn.source_id,
+                source_id=message.source_id,  # the same run, the same run budget
                 directive=spawn.directive or message.directive,
                 context=spawn.context,
                 hops=message.hops + 1,
+                key=idempotency_key(
+                    message.source, message.source_id, f"{spawn.stage}#spawn:{spawn.key}"
+                ),
             )
             for spawn in attempt.context.spawned
         ]

@@ -50,7 +50,7 @@ class Spawn:
     """Follow-up work a handler asked for (enqueued when its stage completes)."""
 
     stage: str
-    source_id: str
+    key: str
     context: JSONValue
     directive: str | None
 
@@ -81,18 +81,26 @@ class StageContext:
     def spawn(
         self,
         stage: str,
-        source_id: str,
+        key: str,
         *,
         context: JSONValue = None,
         directive: str | None = None,
     ) -> None:
-        """Enqueue follow-up work of this pipeline when this stage completes (one hop further
-        from the run's start; the hop limit stops a message that keeps re-enqueueing itself).
-        Enqueued before the completion is recorded, keyed (source, source id, stage): a retried
-        attempt enqueues nothing twice."""
+        """Enqueue follow-up work of this run when this stage completes.
+
+        The new message belongs to the same run (same source and source id), so it draws on
+        the same run budget, one hop further from the run's start: fan-out cannot escape the
+        budget, and the hop limit stops a message that keeps re-enqueueing itself. `key` names
+        it within the run: it is enqueued before the completion is recorded, keyed (run, stage,
+        key), so a retried attempt enqueues nothing twice. Stages it reaches through the stage
+        graph are keyed per run like any hand-off: a stage reached from several spawned
+        messages is entered once (fan-in).
+        """
         if not NAME_RE.match(stage):
             raise InvalidInput("stage", f"{stage!r} is not a valid stage name")
-        self.spawned.append(Spawn(stage, source_id, context, directive))
+        if not key or len(key) > 200:
+            raise InvalidInput("key", "must be 1-200 characters")
+        self.spawned.append(Spawn(stage, key, context, directive))
 
     async def reserve_write(self, count: int = 1) -> None:
         """Reserve `count` external writes against the run's budget before doing them

@@ -16,7 +16,7 @@ RAMBLE = "Here is a very long story about a dragon, told in great detail. Once u
 async def runaway(ctx: StageContext) -> StageResult:
     """The ungoverned polling loop of the story: one model call, then itself again."""
     answer = await ctx.infer("classify", "Is the queue empty? Answer:", max_tokens=4)
-    ctx.spawn(ctx.message.stage, f"{ctx.message.source_id.split('#')[0]}#{ctx.message.hops + 1}")
+    ctx.spawn(ctx.message.stage, f"hop-{ctx.message.hops + 1}")
     return ctx.finish({"said": answer.text, "hop": ctx.message.hops})
 
 

@@ -40,7 +40,14 @@ async def label(ctx: StageContext) -> StageResult:
 
 async def again(ctx: StageContext) -> StageResult:
     # Re-enqueues itself forever: only the hop limit (or the cap) stops it.
-    ctx.spawn("again", f"{ctx.message.source_id}+", context={"n": ctx.message.hops + 1})
+    ctx.spawn("again", f"hop-{ctx.message.hops + 1}", context={"n": ctx.message.hops + 1})
+    return ctx.finish({"hops": ctx.message.hops})
+
+
+async def split(ctx: StageContext) -> StageResult:
+    # Fans out: every message spawns two more of the same run.
+    for branch in ("a", "b"):
+        ctx.spawn("split", f"{ctx.message.hops}-{ctx.message.id}-{branch}")
     return ctx.finish({"hops": ctx.message.hops})
 
 
@@ -59,6 +66,9 @@ PIPES = [
     ),
     Pipeline("loop", (Stage("again", again),), budget=RunBudget(max_hops=3)),
     Pipeline("writes", (Stage("run", write_twice),), budget=RunBudget(writes=1)),
+    Pipeline(
+        "fan", (Stage("split", split),), budget=RunBudget(steps=3, verification_reserve=Decimal(0))
+    ),
 ]
 
 
@@ -236,3 +246,23 @@ async def test_work_waits_briefly_while_the_cap_is_only_held_by_calls_in_flight(
     )
     assert reasons, "no call was deferred: the cap never filled"
     assert await rig.rows("SELECT id FROM agent_messages WHERE status = 'held_budget'") == []
+
+
+async def test_fan_out_cannot_escape_its_run_budget(rig: Rig) -> None:
+    await submit(rig, "fan", "f1", stage="split")
+
+    async def settled() -> bool:
+        statuses = await rig.status_of("fan")
+        return len(statuses) == 7 and "pending" not in statuses and "running" not in statuses
+
+    await rig.wait(settled, what="the fan-out to stop")
+    rows = await rig.rows(
+        "SELECT source_id, status::text AS s, status_reason FROM agent_messages "
+        "WHERE pipeline = 'fan' ORDER BY id"
+    )
+    # One run: three steps ran (the root and its two children), the four grandchildren ended.
+    assert {r["source_id"] for r in rows} == {"f1"}
+    assert [r["s"] for r in rows].count("done") == 3
+    dead = [r for r in rows if r["s"] == "dead"]
+    assert len(dead) == 4
+    assert all(r["status_reason"].startswith("budget_exhausted: steps") for r in dead)
