@@ -1,0 +1,95 @@
+"""The governor against the real ledger: what a call is charged in each way it can end."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from appliance.bus.core import Bus
+from appliance.bus.governor import Admission, Governor, GovernorConfig
+from appliance.db.database import Database
+from appliance.db.runner_store import PgRunnerStore
+from appliance.db.spend_store import PgSpendStore
+from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.budget import BudgetBusy, BudgetHeld
+from appliance.domain.cost import Pricing, Tariff
+from appliance.domain.envelope import Message
+from appliance.domain.inference import InferenceRequest, ModelInfo, Tier, route
+
+PRICING = Pricing(
+    tariff=Tariff(price_per_kwh=Decimal("3.6")),  # 1e-6 EUR per joule: easy figures
+    default_joules_per_token=Decimal("1"),
+    safety_factor=Decimal("1"),
+)
+MODEL = ModelInfo("small", "0" * 64, 2048)
+REQUEST = InferenceRequest("classify", prompt="x" * 8, max_tokens=10)  # 20 tokens at most
+
+
+async def claimed(db: Database, source_id: str) -> Message:
+    bus = Bus(PgRunnerStore(db))
+    await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id=source_id,
+                      directive="d")  # fmt: skip
+    (message,) = await bus.claim("w", limit=1)
+    return message
+
+
+@pytest.fixture
+async def governor(db: Database) -> Governor:
+    await PgTenantStore(db).add("acme")
+    spend = PgSpendStore(db)
+    await spend.set_cap("appliance", Decimal("1"))
+    return Governor(spend, GovernorConfig(PRICING), actor="test")
+
+
+async def admit(governor: Governor, message: Message) -> Admission:
+    found = route("classify", {Tier.MECHANICAL})
+    assert found is not None
+    return await governor.admit(
+        message, budget=None, verification=False, request=REQUEST, route=found, model=MODEL
+    )
+
+
+@pytest.mark.parametrize(
+    ("energy", "failed", "unknown", "charged", "status"),
+    [
+        (5.0, False, False, Decimal("0.000005"), "settled"),  # measured: what it used
+        (None, False, False, Decimal("0.00002"), "settled"),  # ran, no figure: the reservation
+        (None, True, False, Decimal(0), "released"),  # never ran: nothing
+        (None, True, True, Decimal("0.00002"), "settled"),  # cancelled while out: reservation
+        (2.0, True, False, Decimal("0.000002"), "settled"),  # failed after using some energy
+    ],
+)
+async def test_what_a_call_is_charged(
+    governor: Governor, db: Database, energy: float | None, failed: bool, unknown: bool,
+    charged: Decimal, status: str,
+) -> None:  # fmt: skip
+    message = await claimed(db, "c")
+    admission = await admit(governor, message)
+    assert admission.estimate.amount == Decimal("0.00002")
+    amount = await governor.settle(
+        message, admission, energy_joules=energy, provenance="estimated" if energy else None,
+        completion_tokens=0, prompt_tokens=0, failed=failed, usage_unknown=unknown,
+    )  # fmt: skip
+    assert amount == charged
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute("SELECT status, amount, reserved FROM spend_ledger")
+        ).fetchone()
+        month = await (
+            await conn.execute("SELECT spent, reserved FROM spend_months WHERE scope='appliance'")
+        ).fetchone()
+    assert row is not None and (row["status"], row["amount"]) == (status, charged)
+    assert month is not None and (month["spent"], month["reserved"]) == (charged, 0)
+
+
+async def test_refusals_hold_or_defer(governor: Governor, db: Database) -> None:
+    first = await claimed(db, "a")
+    await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
+    await admit(governor, first)  # holds 0.00002 of 0.00003
+    second = await claimed(db, "b")
+    with pytest.raises(BudgetBusy, match="deferred: money"):
+        await admit(governor, second)  # only the first's hold is in the way
+    await governor.spend.set_cap("appliance", Decimal("0.00001"))  # type: ignore[attr-defined]
+    with pytest.raises(BudgetHeld, match="held_budget: money: appliance monthly cap"):
+        await admit(governor, second)  # spend alone could not fit it: held
