@@ -48,8 +48,11 @@ build_llama_wheel() {
   mkdir -p "$dir.tmp"
   req="$(mktemp)"
   llama_requirement >"$req"
+  # --no-cache-dir: pip's own wheel cache is keyed by the sdist alone, not by CMAKE_ARGS, and
+  # would hand back a wheel built with other flags.
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$VENV/bin/pip" wheel --quiet --no-deps --require-hashes --no-binary llama-cpp-python \
+    "$VENV/bin/pip" wheel --quiet --no-cache-dir --no-deps --require-hashes \
+    --no-binary llama-cpp-python \
     -r "$req" -w "$dir.tmp"
   rm -f "$req"
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
