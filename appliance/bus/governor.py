@@ -95,19 +95,13 @@ class Governor:
         run_ask: dict[str, object] | None = None
         if budget is not None:
             run_ask = {"tokens": estimate.tokens, "calls": 1, "money": estimate.amount}
-            exhausted = await self.spend.run_reserve(
-                tenant=message.tenant,
-                source=message.source,
-                source_id=message.source_id,
-                pipeline=message.pipeline,
-                limits=budget.limits(),
-                reserve=budget.verification_reserve,
+            await self.reserve_steps(
+                message,
+                budget,
                 verification=verification,
                 ask=run_ask,
-                now=None,
+                detail=f"a {request.kind} call asked {run_ask}",
             )
-            if exhausted is not None:
-                raise BudgetExhausted(exhausted, f"a {request.kind} call asked {run_ask}")
         try:
             hold = await self.spend.reserve(
                 tenant=message.tenant,
@@ -191,9 +185,16 @@ class Governor:
         return amount
 
     async def reserve_steps(
-        self, message: Message, budget: RunBudget, *, verification: bool, ask: dict[str, object]
+        self,
+        message: Message,
+        budget: RunBudget,
+        *,
+        verification: bool,
+        ask: dict[str, object],
+        detail: str = "",
     ) -> None:
-        """Reserve steps or writes against the run's budget (BudgetExhausted if they do not fit)."""
+        """Reserve work (steps, writes, a call's tokens and money) against the run's budget
+        (BudgetExhausted, naming the dimension, if it does not fit)."""
         exhausted = await self.spend.run_reserve(
             tenant=message.tenant,
             source=message.source,
@@ -206,7 +207,7 @@ class Governor:
             now=None,
         )
         if exhausted is not None:
-            raise BudgetExhausted(exhausted)
+            raise BudgetExhausted(exhausted, detail)
 
     async def _give_back_run(self, message: Message, run_ask: dict[str, object] | None) -> None:
         if run_ask is None:

@@ -531,11 +531,11 @@ class Runner:
                 raise DeadlineExceeded("no time left in the stage for a model call")
             control.start_deadline = time.monotonic() + left
             control.timeout = left
+        info = self.inference.describe(found.tier)
+        if info is None:
+            raise CapabilityUnavailable(request.kind, found.min_tier)
         admission: Admission | None = None
         if self.governor is not None:
-            info = self.inference.describe(found.tier)
-            if info is None:
-                raise CapabilityUnavailable(request.kind, found.min_tier)
             pipeline = self.registry.pipeline(message.pipeline)
             stage = self.registry.stage(message.pipeline, message.stage)
             admission = await self.governor.admit(
@@ -588,8 +588,8 @@ class Runner:
                 tier=found.tier,
                 min_tier=found.min_tier,
                 route_reason=found.reason,
-                model=result.model if result else self._model_of(found.tier),
-                model_sha256=result.model_sha256 if result else self._sha_of(found.tier),
+                model=result.model if result else info.model,
+                model_sha256=result.model_sha256 if result else info.sha256,
                 status=status,
                 error=error,
                 prompt_tokens=result.prompt_tokens if result else 0,
@@ -706,14 +706,6 @@ class Runner:
                 self.stats.budget_exhausted += 1
         except Exception:
             log.exception("could not end message %s (%s)", attempt.message.id, reason)
-
-    def _model_of(self, tier: Tier) -> str:
-        assert self.inference is not None
-        return str(self.inference.stats().get(tier.value, {}).get("model", "?"))
-
-    def _sha_of(self, tier: Tier) -> str:
-        assert self.inference is not None
-        return str(self.inference.stats().get(tier.value, {}).get("sha256", "?"))
 
     async def _park(self, attempt: _Attempt, kind: str, tier: Tier) -> None:
         now = self.clock()

@@ -75,6 +75,27 @@ def row_to_message(row: dict[str, Any]) -> Message:
     return Message(**known, extra=extra)
 
 
+async def run_fenced(db: Database, name: str, lease: LeaseRef, **params: Any) -> bool:
+    """Run a named statement fenced by `lease` (it names %(id)s and %(token)s and returns the
+    row it changed); True when the lease was still current and the row changed."""
+    values = {"id": lease.message_id, "token": lease.lease_token, **params}
+    async with db.system_conn() as conn:
+        row = await (await conn.execute(q(name), values)).fetchone()
+    return row is not None
+
+
+async def run_batches(db: Database, name: str, params: dict[str, Any]) -> int:
+    """Run a named bounded-batch statement (LIMIT %(batch)s) until a batch comes back short;
+    how many rows it changed in all."""
+    total = 0
+    while True:
+        async with db.system_conn() as conn:
+            rows = await (await conn.execute(q(name), params)).fetchall()
+        total += len(rows)
+        if len(rows) < params["batch"]:
+            return total
+
+
 def _ack(applied: bool, status: str | None, same_lease: bool | None) -> AckOutcome:
     if applied:
         return AckOutcome.APPLIED

@@ -11,7 +11,7 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore
+from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore, run_batches, run_fenced
 from appliance.db.queries import q
 from appliance.domain.envelope import LeaseRef
 from appliance.domain.inference import CallRecord, Tier
@@ -47,16 +47,9 @@ class PgRunnerStore(PgMessageStore):
         now: datetime | None = None,
     ) -> bool:
         """Expire a running attempt whose message's deadline passed (fenced by the lease)."""
-        params = {
-            "id": lease.message_id,
-            "token": lease.lease_token,
-            "reason": reason,
-            "actor": actor,
-            "now": now,
-        }
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("message_expire_running"), params)).fetchone()
-        return row is not None
+        return await run_fenced(
+            self.db, "message_expire_running", lease, reason=reason, actor=actor, now=now
+        )
 
     async def wait_capability(
         self,
@@ -69,18 +62,10 @@ class PgRunnerStore(PgMessageStore):
         now: datetime | None = None,
     ) -> bool:
         """Park a running attempt until a tier at or above `tier` is up (fenced by the lease)."""
-        params = {
-            "id": lease.message_id,
-            "token": lease.lease_token,
-            "tier": tier.value,
-            "expires_at": expires_at,
-            "reason": reason,
-            "actor": actor,
-            "now": now,
-        }
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("message_wait_capability"), params)).fetchone()
-        return row is not None
+        return await run_fenced(
+            self.db, "message_park", lease, status="waiting_capability", waiting_for=tier.value,
+            expires_at=expires_at, reason=reason, actor=actor, now=now,
+        )  # fmt: skip
 
     async def resume_capability(
         self,
@@ -94,13 +79,7 @@ class PgRunnerStore(PgMessageStore):
         if not tiers:
             return 0
         params = {"tiers": [t.value for t in tiers], "actor": actor, "batch": batch, "now": now}
-        total = 0
-        while True:
-            async with self.db.system_conn() as conn:
-                rows = await (await conn.execute(q("message_resume_capability"), params)).fetchall()
-            total += len(rows)
-            if len(rows) < batch:
-                return total
+        return await run_batches(self.db, "message_resume_capability", params)
 
     async def terminate(
         self,
@@ -111,16 +90,9 @@ class PgRunnerStore(PgMessageStore):
         now: datetime | None = None,
     ) -> bool:
         """End a running attempt for good (dead, with the reason), fenced by its lease."""
-        params = {
-            "id": lease.message_id,
-            "token": lease.lease_token,
-            "reason": reason,
-            "actor": actor,
-            "now": now,
-        }
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("message_terminate"), params)).fetchone()
-        return row is not None
+        return await run_fenced(
+            self.db, "message_terminate", lease, reason=reason, actor=actor, now=now
+        )
 
     async def defer(
         self,
@@ -132,17 +104,9 @@ class PgRunnerStore(PgMessageStore):
         now: datetime | None = None,
     ) -> bool:
         """Back to pending after `delay`, the attempt not counted (fenced by the lease)."""
-        params = {
-            "id": lease.message_id,
-            "token": lease.lease_token,
-            "delay": delay,
-            "reason": reason,
-            "actor": actor,
-            "now": now,
-        }
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("message_defer"), params)).fetchone()
-        return row is not None
+        return await run_fenced(
+            self.db, "message_defer", lease, delay=delay, reason=reason, actor=actor, now=now
+        )
 
     async def record_call(self, record: CallRecord) -> None:
         """Store one model call against its message."""

@@ -11,7 +11,7 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from appliance.db.database import Database
-from appliance.db.message_store import SYSTEM_ACTOR
+from appliance.db.message_store import SYSTEM_ACTOR, run_batches, run_fenced
 from appliance.db.queries import q
 from appliance.domain.budget import Refusal
 from appliance.domain.envelope import Lane, LeaseRef
@@ -158,17 +158,11 @@ class PgSpendStore:
         actor: str = SYSTEM_ACTOR,
         now: datetime | None = None,
     ) -> bool:
-        params = {
-            "id": lease.message_id,
-            "token": lease.lease_token,
-            "reason": reason,
-            "expires_at": expires_at,
-            "actor": actor,
-            "now": now,
-        }
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("message_hold_budget"), params)).fetchone()
-        return row is not None
+        """Park a running attempt in held_budget (fenced by the lease)."""
+        return await run_fenced(
+            self.db, "message_park", lease, status="held_budget", waiting_for="budget",
+            expires_at=expires_at, reason=reason, actor=actor, now=now,
+        )  # fmt: skip
 
     async def resume_budget(
         self,
@@ -178,29 +172,29 @@ class PgSpendStore:
         batch: int = 500,
         now: datetime | None = None,
     ) -> int:
-        params = {"reason": reason, "actor": actor, "batch": batch, "now": now}
-        total = 0
-        while True:
-            async with self.db.system_conn() as conn:
-                rows = await (await conn.execute(q("message_resume_budget"), params)).fetchall()
-            total += len(rows)
-            if len(rows) < batch:
-                return total
+        """Send every message held for budget back to pending (all batches)."""
+        params: dict[str, Any] = {
+            "reason": reason,
+            "actor": actor,
+            "batch": batch,
+            "now": now,
+            "earlier_months_only": False,
+        }
+        return await run_batches(self.db, "message_resume_budget", params)
 
     async def resume_stale(
         self, *, actor: str = SYSTEM_ACTOR, batch: int = 500, now: datetime | None = None
     ) -> int:
         """Resume messages held for budget in an earlier month (all batches)."""
-        params = {"actor": actor, "batch": batch, "now": now}
-        total = 0
-        while True:
-            async with self.db.system_conn() as conn:
-                rows = await (
-                    await conn.execute(q("message_resume_budget_stale"), params)
-                ).fetchall()
-            total += len(rows)
-            if len(rows) < batch:
-                return total
+        month = await self.month(now=now)
+        params = {
+            "reason": f"month_rollover: {month}",
+            "actor": actor,
+            "batch": batch,
+            "now": now,
+            "earlier_months_only": True,
+        }
+        return await run_batches(self.db, "message_resume_budget", params)
 
     async def run_reserve(
         self,

@@ -229,11 +229,11 @@ SELECT pipeline, stage, status, count(*) AS n
 FROM agent_messages
 GROUP BY pipeline, stage, status;
 
--- name: message_wait_capability :one
--- Park a running attempt in waiting_capability (no tier allowed to serve it is up): the attempt is not counted, and the wait ends by `expires_at` at the latest.
+-- name: message_park :one
+-- Park a running attempt in a waiting state (waiting_capability: no tier allowed to serve it is up; held_budget: no hold against the cap): the attempt is not counted, nothing retries it, and the wait ends by `expires_at` at the latest.
 UPDATE agent_messages m
-SET status = 'waiting_capability',
-    waiting_for = %(tier)s,
+SET status = %(status)s::message_status,
+    waiting_for = %(waiting_for)s,
     attempts = greatest(m.attempts - 1, 0),
     wait_expires_at = %(expires_at)s::timestamptz,
     lease_expires_at = NULL,

@@ -83,26 +83,13 @@ ORDER BY at DESC;
 -- The current month by the database clock, in the ledger's time zone.
 SELECT spend_month(coalesce(%(now)s::timestamptz, now())) AS month;
 
--- name: message_hold_budget :one
--- Park a running attempt in held_budget (no hold could be had): not counted as an attempt, never retried by backoff; it waits until the cap is raised or the month rolls over, `expires_at` at the latest.
-UPDATE agent_messages m
-SET status = 'held_budget',
-    waiting_for = 'budget',
-    attempts = greatest(m.attempts - 1, 0),
-    wait_expires_at = %(expires_at)s::timestamptz,
-    lease_expires_at = NULL,
-    lease_token = NULL,
-    updated_at = coalesce(%(now)s::timestamptz, now()),
-    status_reason = %(reason)s,
-    status_actor = %(actor)s
-WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
-RETURNING m.id;
-
 -- name: message_resume_budget :many
--- Messages held for budget go back to pending (the cap was raised or the month rolled over); a bounded batch.
+-- Messages held for budget go back to pending: all of them (the cap was raised), or with `earlier_months_only` those held in a month before this one by the database clock (the month rolled over, also when no runner saw the boundary itself); a bounded batch.
 WITH ready AS (
     SELECT m.id FROM agent_messages m
     WHERE m.status = 'held_budget'
+      AND (NOT %(earlier_months_only)s
+           OR spend_month(m.updated_at) < spend_month(coalesce(%(now)s::timestamptz, now())))
     ORDER BY m.id
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
@@ -114,28 +101,6 @@ SET status = 'pending',
     not_before = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = %(reason)s,
-    status_actor = %(actor)s
-FROM ready
-WHERE m.id = ready.id
-RETURNING m.id;
-
--- name: message_resume_budget_stale :many
--- Messages held for budget in an earlier month go back to pending: the month rolled over (also when no runner saw the boundary itself); a bounded batch.
-WITH ready AS (
-    SELECT m.id FROM agent_messages m
-    WHERE m.status = 'held_budget'
-      AND spend_month(m.updated_at) < spend_month(coalesce(%(now)s::timestamptz, now()))
-    ORDER BY m.id
-    LIMIT %(batch)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE agent_messages m
-SET status = 'pending',
-    waiting_for = NULL,
-    wait_expires_at = NULL,
-    not_before = coalesce(%(now)s::timestamptz, now()),
-    updated_at = coalesce(%(now)s::timestamptz, now()),
-    status_reason = 'month_rollover: ' || spend_month(coalesce(%(now)s::timestamptz, now())),
     status_actor = %(actor)s
 FROM ready
 WHERE m.id = ready.id
