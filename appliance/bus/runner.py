@@ -198,10 +198,12 @@ class Runner:
         # Bumped by every hint, so a claim that was in flight while a hint arrived does not
         # clear the lane on the strength of its older snapshot.
         self._hints: dict[Lane, int] = {lane: 0 for lane in Lane}
+        self._left_behind: dict[Lane, bool] = {lane: False for lane in Lane}
         self._stopping = False
         self._next_local_wake: float | None = None
         self._last_reclaim = 0.0
         self._resume_task: asyncio.Task[None] | None = None
+        self._reclaim_task: asyncio.Task[None] | None = None
         self._resume_again = False
         self.started_at = self.clock()
         if inference is not None:
@@ -239,6 +241,7 @@ class Runner:
         finally:
             self._stopping = True
             await self._drain()
+            side += [t for t in (self._reclaim_task, self._resume_task) if t is not None]
             for task in side:
                 task.cancel()
             # Bounded: a side task that will not finish must not keep the process alive.
@@ -306,10 +309,12 @@ class Runner:
         if now_mono - self._last_reclaim >= self.config.reclaim_every.total_seconds():
             self._last_reclaim = now_mono
             # Reclaim on the claim path too (bounded): a stalled sweeper must not strand work.
-            try:
-                await self.store.reclaim(batch=20, now=None)
-            except Exception:
-                log.exception("reclaim on the claim path failed")
+            # Beside the claims, never before them: a reclaim in the way of every 50th wake-up
+            # made it the slowest pickup. What it returns to pending rings the doorbell.
+            if self._reclaim_task is None or self._reclaim_task.done():
+                self._reclaim_task = asyncio.get_running_loop().create_task(
+                    self._reclaim_on_claim_path(), name="reclaim-on-claim-path"
+                )
         total = 0
         for lane in CLAIM_ORDER:
             free = self.slots.free(lane)
@@ -322,7 +327,7 @@ class Runner:
                 asked = max(1, min(asked, model_room))
             hints = self._hints[lane]
             try:
-                messages = await self.store.claim_lane(
+                found = await self.store.claim_lane(
                     worker=self.config.worker_id,
                     lane=lane,
                     limit=asked,
@@ -335,8 +340,10 @@ class Runner:
                 log.exception("claim failed; retrying on the next wake-up")
                 self._schedule_local_wake(1.0)
                 return total
+            messages = found.messages
             if len(messages) < asked and self._hints[lane] == hints:
                 self._maybe.discard(lane)
+            self._left_behind[lane] = found.left_behind
             for message in messages:
                 self._start(message)
             total += len(messages)
@@ -347,6 +354,12 @@ class Runner:
                     self.stats.last_missed_wakeup_at = self.clock()
         self.stats.claimed += total
         return total
+
+    async def _reclaim_on_claim_path(self) -> None:
+        try:
+            await self.store.reclaim(batch=20, now=None)
+        except Exception:
+            log.exception("reclaim on the claim path failed")
 
     def _model_room(self) -> tuple[list[Tier], int | None]:
         """Tiers whose model work must not be claimed now (no room), and the least room left
@@ -790,18 +803,24 @@ class Runner:
         if not attempt.slot_free:
             attempt.slot_free = True
             self.slots.give(attempt.message.lane)
-            # A claim of this lane may have come back short because the tenant was at its
-            # limit; the work just finished may have made room, so ask this lane again.
-            self._hint(attempt.message.lane)
-            self._wake.set()
+            # Claim into the slot if the lane's last claim came back full (more may wait). A
+            # claim that came back short is not asked again here: if the lane's tenants were
+            # at their limit, the database still counts this attempt until its outcome
+            # commits, and _finish asks the lane again then.
+            if attempt.message.lane in self._maybe:
+                self._wake.set()
 
     def _finish(self, attempt: _Attempt) -> None:
         if self._attempts.pop(attempt.message.id, None) is not None:
             self._free_slot(attempt)
             # Its outcome is committed: the tenant's running count in the database went down
-            # too, so a claim that came back short for the tenant's limit may now succeed.
-            self._hint(attempt.message.lane)
-            self._wake.set()
+            # too, so work the lane's last claim left behind (a tenant at its limit) may be
+            # claimable now. A lane whose last claim left nothing waits for the doorbell: an
+            # empty claim after every message would occupy the loop when the next one rings.
+            lane = attempt.message.lane
+            if self._left_behind[lane]:
+                self._hint(lane)
+                self._wake.set()
 
     # -- acknowledgements ------------------------------------------------------------------------
 

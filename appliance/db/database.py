@@ -129,19 +129,16 @@ class Database:
 
     @asynccontextmanager
     async def system_conn(self) -> AsyncIterator[Conn]:
-        """An autocommit connection of the bus machinery role (every statement durable)."""
+        """An autocommit connection of the bus machinery role.
+
+        Statements are durable unless they say otherwise: claims and heartbeats set
+        synchronous_commit off for their own implicit transaction (see their queries).
+        """
         async with self.system_pool.connection() as conn:
             yield conn
 
     @asynccontextmanager
-    async def system_tx(self, *, durable: bool = True) -> AsyncIterator[Conn]:
-        """A transaction of the bus machinery role.
-
-        Non-durable transactions (claims, heartbeats) commit without waiting for the WAL flush:
-        a server crash may lose them, and the lease turns that into a re-run, which
-        at-least-once delivery tolerates. Enqueue, completion and hand-off stay durable.
-        """
+    async def system_tx(self) -> AsyncIterator[Conn]:
+        """A durable transaction of the bus machinery role (several statements, one commit)."""
         async with self.system_pool.connection() as conn, conn.pipeline(), conn.transaction():
-            if not durable:
-                await conn.execute("SET LOCAL synchronous_commit = off")
             yield conn

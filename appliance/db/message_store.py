@@ -28,6 +28,7 @@ from appliance.domain.ports import (
     ExpireLimits,
     FailOutcome,
     HeartbeatResult,
+    LaneClaim,
     LaneCounts,
 )
 
@@ -216,7 +217,7 @@ class PgMessageStore:
         for lane in lanes:
             if len(claimed) >= limit:
                 break
-            claimed += await self.claim_lane(
+            found = await self.claim_lane(
                 worker=worker,
                 lane=lane,
                 limit=limit - len(claimed),
@@ -225,6 +226,7 @@ class PgMessageStore:
                 tenant=tenant,
                 now=now,
             )
+            claimed += found.messages
         return claimed
 
     async def claim_lane(
@@ -239,11 +241,11 @@ class PgMessageStore:
         tenant: str | None = None,
         max_runtime: timedelta = DEFAULT_MAX_RUNTIME,
         blocked_tiers: Sequence[Tier] = (),
-    ) -> list[Message]:
+    ) -> LaneClaim:
         """Lease up to `limit` messages of one lane, fairly across tenants; stages whose model
         tier is in `blocked_tiers` (no room in the caller's pool) are left for later."""
         if limit <= 0:
-            return []
+            return LaneClaim([], left_behind=False)
         params = {
             "worker": worker,
             "lane": lane.value,
@@ -255,11 +257,17 @@ class PgMessageStore:
             "blocked_tiers": [t.value for t in blocked_tiers],
             "now": now,
         }
-        async with self.db.system_tx(durable=False) as conn:
+        async with self.db.system_conn() as conn:
             rows = await (await conn.execute(q("message_claim_lane"), params)).fetchall()
-        messages = [row_to_message(r) for r in rows]
+        # Every row carries the lane's backlog; a row of NULLs carries it when none was claimed.
+        found = 0
+        messages: list[Message] = []
+        for row in rows:
+            found = row.pop("lane_pending")
+            if row["id"] is not None:
+                messages.append(row_to_message(row))
         messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
-        return messages
+        return LaneClaim(messages, left_behind=found > len(messages))
 
     async def heartbeat(
         self, lease: LeaseRef, *, extend: timedelta, now: datetime | None = None
@@ -280,7 +288,7 @@ class PgMessageStore:
             "extend": extend,
             "now": now,
         }
-        async with self.db.system_tx(durable=False) as conn:
+        async with self.db.system_conn() as conn:
             rows = await (await conn.execute(q("message_heartbeat_many"), params)).fetchall()
         by_id: dict[int, HeartbeatResult] = {}
         for row in rows:

@@ -53,6 +53,16 @@ class HeartbeatResult:
 
 
 @dataclass(frozen=True)
+class LaneClaim:
+    """What one claim of a lane leased, and whether it left claimable-looking work behind
+    (tenant limits, rows locked by another claimer, model backpressure): a runner asks that
+    lane again when its own work finishes only then, and otherwise waits for the doorbell."""
+
+    messages: list[Message]
+    left_behind: bool
+
+
+@dataclass(frozen=True)
 class Completion:
     """One successful result to record under a lease (batched acknowledgements).
 
@@ -182,7 +192,7 @@ class RunnerStore(MessageStore, Protocol):
         tenant_limit: int,
         now: datetime | None,
         blocked_tiers: Sequence[Tier] = (),
-    ) -> list[Message]: ...
+    ) -> LaneClaim: ...
 
     async def heartbeat_many(
         self, leases: Sequence[LeaseRef], *, extend: timedelta, now: datetime | None

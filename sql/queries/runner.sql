@@ -1,13 +1,20 @@
 -- Named queries of the stage runner and its maintenance services.
 
 -- name: message_claim_lane :many
--- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit, checked against its counter row locked (waiting, never skipping) in tenant order.
-WITH eligible AS MATERIALIZED (
+-- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit, checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
+WITH nondurable AS MATERIALIZED (
+    -- A claim is one round trip: its own implicit transaction, made non-durable here rather
+    -- than by a SET LOCAL in a transaction block (which costs three more statements). A server
+    -- crash may lose the claim; the lease turns that into a re-run, which at-least-once
+    -- delivery tolerates. Read by `eligible`, so it runs whenever anything can be claimed.
+    SELECT set_config('synchronous_commit', 'off', true) AS setting
+),
+eligible AS MATERIALIZED (
     -- A snapshot read: which tenants have claimable work and room. Nothing is locked here, so
     -- concurrent claimers of one tenant all proceed; the limit is enforced below.
     SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - r.running AS room,
            r.last_claimed_at
-    FROM tenant_runtime r
+    FROM nondurable, tenant_runtime r
     JOIN tenants t ON t.name = r.tenant
     WHERE r.running < coalesce(t.max_running, %(tenant_limit)s)
       AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s::text)
@@ -66,31 +73,51 @@ allowed AS (
     WHERE p.rank <= c.room
     ORDER BY p.rank, p.last_claimed_at NULLS FIRST, p.tenant
     LIMIT %(limit)s
+),
+backlog AS (
+    -- The lane's claimable-looking work as this claim found it (at most limit + 1 rows): more
+    -- than it took means tenant limits, locks or backpressure left some behind, so the
+    -- runner asks again when its own work finishes; otherwise it waits for the doorbell.
+    SELECT count(*) AS pending
+    FROM (
+        SELECT FROM agent_messages m
+        WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
+          AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+        LIMIT %(limit)s + 1
+    ) AS p
+),
+claimed AS (
+    UPDATE agent_messages m
+    SET status = 'running',
+        attempts = m.attempts + 1,
+        lease_token = nextval('agent_messages_lease_token_seq'),
+        run_deadline = coalesce(%(now)s::timestamptz, now())
+            + coalesce(allowed.max_runtime, %(max_runtime)s::interval),
+        lease_expires_at = least(
+            coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
+            coalesce(%(now)s::timestamptz, now())
+                + coalesce(allowed.max_runtime, %(max_runtime)s::interval)),
+        claimed_by = %(worker)s,
+        claimed_at = coalesce(%(now)s::timestamptz, now()),
+        updated_at = coalesce(%(now)s::timestamptz, now()),
+        outcome = NULL,
+        status_reason = 'claimed',
+        status_actor = %(worker)s
+    FROM allowed
+    WHERE m.id = allowed.id
+    RETURNING m.*
 )
-UPDATE agent_messages m
-SET status = 'running',
-    attempts = m.attempts + 1,
-    lease_token = nextval('agent_messages_lease_token_seq'),
-    run_deadline = coalesce(%(now)s::timestamptz, now())
-        + coalesce(allowed.max_runtime, %(max_runtime)s::interval),
-    lease_expires_at = least(
-        coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
-        coalesce(%(now)s::timestamptz, now())
-            + coalesce(allowed.max_runtime, %(max_runtime)s::interval)),
-    claimed_by = %(worker)s,
-    claimed_at = coalesce(%(now)s::timestamptz, now()),
-    updated_at = coalesce(%(now)s::timestamptz, now()),
-    outcome = NULL,
-    status_reason = 'claimed',
-    status_actor = %(worker)s
-FROM allowed
-WHERE m.id = allowed.id
-RETURNING m.*;
+-- The claimed rows, each with the lane's backlog; one row of NULLs with it when none was.
+SELECT claimed.*, backlog.pending AS lane_pending
+FROM backlog LEFT JOIN claimed ON true;
 
 -- name: message_heartbeat_many :many
--- Extend many leases at once, never past each attempt's hard run deadline; rows another statement is writing right now (a completion) are skipped, not waited for; report every lease's fate.
-WITH input AS (
-    SELECT * FROM unnest(%(id)s::bigint[], %(token)s::bigint[]) AS i(id, token)
+-- Extend many leases at once, never past each attempt's hard run deadline; rows another statement is writing right now (a completion) are skipped, not waited for; report every lease's fate. Commits without waiting for the WAL flush (a lost heartbeat only shortens a lease).
+WITH nondurable AS MATERIALIZED (
+    SELECT set_config('synchronous_commit', 'off', true) AS setting
+),
+input AS (
+    SELECT i.* FROM nondurable, unnest(%(id)s::bigint[], %(token)s::bigint[]) AS i(id, token)
 ),
 mine AS MATERIALIZED (
     SELECT m.id

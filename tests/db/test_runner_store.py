@@ -64,7 +64,7 @@ def req(bus: Bus, sid: str, **kw: Any):
 
 
 async def claim(store: PgRunnerStore, lane: Lane = Lane.INTERACTIVE, limit: int = 10, **kw):
-    return await store.claim_lane(
+    found = await store.claim_lane(
         worker="w",
         lane=lane,
         limit=limit,
@@ -73,6 +73,7 @@ async def claim(store: PgRunnerStore, lane: Lane = Lane.INTERACTIVE, limit: int 
         now=kw.pop("now", T0),
         **kw,
     )
+    return found.messages
 
 
 async def test_sql_and_python_idempotency_keys_agree(db: Database) -> None:
@@ -235,6 +236,32 @@ async def test_tenant_own_limit_overrides_default(rstore: PgRunnerStore, db: Dat
     await bus.enqueue_many([req(bus, str(i)) for i in range(5)], now=T0)
     assert len(await claim(rstore, limit=5, tenant_limit=10)) == 1
     assert await claim(rstore, limit=5, tenant_limit=10) == []
+
+
+async def test_claim_says_when_it_left_work_behind(rstore: PgRunnerStore) -> None:
+    bus = Bus(rstore)
+    found = await rstore.claim_lane(
+        worker="w", lane=Lane.INTERACTIVE, limit=4, lease=LEASE, tenant_limit=2, now=T0
+    )
+    assert found.messages == [] and not found.left_behind  # an empty lane
+    await bus.enqueue_many([req(bus, str(i)) for i in range(3)], now=T0)
+    found = await rstore.claim_lane(
+        worker="w", lane=Lane.INTERACTIVE, limit=4, lease=LEASE, tenant_limit=2, now=T0
+    )
+    assert len(found.messages) == 2 and found.left_behind  # the tenant's limit kept one back
+    found = await rstore.claim_lane(
+        worker="w", lane=Lane.INTERACTIVE, limit=4, lease=LEASE, tenant_limit=2, now=T0
+    )
+    assert found.messages == [] and found.left_behind  # still there, still at the limit
+    found = await rstore.claim_lane(
+        worker="w", lane=Lane.INTERACTIVE, limit=4, lease=LEASE, tenant_limit=3, now=T0
+    )
+    assert len(found.messages) == 1 and not found.left_behind  # took the last one
+    await bus.enqueue_many([req(bus, f"b{i}", lane=Lane.BATCH) for i in range(2)], now=T0)
+    found = await rstore.claim_lane(
+        worker="w", lane=Lane.BATCH, limit=2, lease=LEASE, tenant_limit=10, now=T0
+    )
+    assert len(found.messages) == 2 and not found.left_behind  # exactly what was there
 
 
 async def test_heartbeat_never_extends_past_run_deadline(rstore: PgRunnerStore) -> None:
