@@ -83,6 +83,8 @@ backlog AS (
         SELECT FROM agent_messages m
         WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
           AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+        -- The pending index's order: read from the index, never a heap scan through history.
+        ORDER BY m.lane, m.tenant, m.priority DESC, m.not_before, m.id
         LIMIT %(limit)s + 1
     ) AS p
 ),
