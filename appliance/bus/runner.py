@@ -814,12 +814,13 @@ class Runner:
         if self._attempts.pop(attempt.message.id, None) is not None:
             self._free_slot(attempt)
             # Its outcome is committed: the tenant's running count in the database went down
-            # too, so work the lane's last claim left behind (a tenant at its limit) may be
-            # claimable now. A lane whose last claim left nothing waits for the doorbell: an
-            # empty claim after every message would occupy the loop when the next one rings.
-            lane = attempt.message.lane
-            if self._left_behind[lane]:
-                self._hint(lane)
+            # too, so work that a lane's last claim left behind (a tenant at its limit) may be
+            # claimable now, in any lane: the limit counts the tenant's work in all of them. A
+            # lane whose last claim left nothing waits for the doorbell: an empty claim after
+            # every message would occupy the loop when the next one rings.
+            behind = [lane for lane, left in self._left_behind.items() if left]
+            if behind:
+                self._hint(*behind)
                 self._wake.set()
 
     # -- acknowledgements ------------------------------------------------------------------------

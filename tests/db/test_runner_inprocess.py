@@ -17,7 +17,7 @@ from appliance.db.database import Database, Endpoints
 from appliance.db.listener import PgDoorbell
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
-from appliance.domain.envelope import MessageStatus
+from appliance.domain.envelope import Lane, MessageStatus
 from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
 
 seen: dict[str, Any] = {}
@@ -142,3 +142,51 @@ async def test_status_shows_the_runner_and_its_listener(running) -> None:
     # Everything was announced by the doorbell: no poll found work it had missed.
     assert me.missed_wakeups == 0 and me.last_missed_wakeup_age_s is None
     assert st.stages["quick.run"] == {"done": 1}
+
+
+gate = asyncio.Event()
+
+
+async def gated(ctx: StageContext) -> StageResult:
+    await gate.wait()
+    return ctx.finish({"ok": True})
+
+
+async def test_work_held_back_by_the_tenant_limit_runs_when_other_lane_work_ends(
+    fresh_db: Endpoints,
+) -> None:
+    """The tenant limit counts all lanes: when batch work of a tenant at its limit ends, the
+    interactive work its claim left behind runs at once, not at the next fallback poll."""
+    pipes = [
+        Pipeline("gated", (Stage("run", gated, lane=Lane.BATCH),)),
+        Pipeline("quick", (Stage("run", quick),)),
+    ]
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    await PgTenantStore(db).add("acme")
+    store = PgRunnerStore(db)
+    await store.sync_pipelines(pipes)
+    config = RunnerConfig(
+        worker_id="limited", concurrency=6, tenant_limit=2, poll_interval=timedelta(seconds=60)
+    )
+    runner = Runner(store, Registry(pipes), config, doorbell=PgDoorbell(fresh_db.system))
+    gate.clear()
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        bus = Bus(store)
+        held = [await bus.enqueue(**request(bus, "gated", str(i))) for i in range(2)]
+        for r in held:
+            await wait_status(bus, r.id, MessageStatus.RUNNING)
+        probe = await bus.enqueue(**request(bus, "quick", "probe"))
+        await asyncio.sleep(0.5)  # rung and claimed for: the tenant is at its limit
+        got = await bus.get("acme", probe.id)
+        assert got is not None and got.status is MessageStatus.PENDING
+        gate.set()
+        await wait_status(bus, probe.id, MessageStatus.DONE, timeout=5)
+        assert runner.stats.polls == 0
+    finally:
+        gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await db.close()
