@@ -121,7 +121,10 @@ def test_named_query_parser() -> None:
     )
     queries = parse(text, "t.sql")
     assert queries["a_b"].sql == "SELECT 1" and queries["a_b"].kind == "one"
-    assert queries["c"].doc == "Lists." and "inner comment" in queries["c"].sql
+    # Sent compacted: whole-line comments and indentation go, the statement stays.
+    assert queries["c"].doc == "Lists." and queries["c"].sql == "SELECT 2\nFROM x"
+    text = "-- name: d :one\n-- Indented.\n  SELECT 'a -- b'\n\n    -- gone\n  FROM y -- kept\n"
+    assert parse(text, "t.sql")["d"].sql == "SELECT 'a -- b'\nFROM y -- kept"
     with pytest.raises(ConfigurationError, match="description"):
         parse("-- name: x :one\nSELECT 1;", "t.sql")
     with pytest.raises(ConfigurationError, match="defined twice"):
