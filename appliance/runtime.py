@@ -123,6 +123,10 @@ async def services(settings: Settings, ends: Endpoints | None = None) -> AsyncIt
 
 
 log = logging.getLogger("appliance.runtime")
+# The runner's claim path reclaims too, as a fallback should the maintenance sweeper stall, at
+# this multiple of the sweeper's interval: still well inside lease + 5 s, and beside the claims
+# a fifth as often.
+FALLBACK_RECLAIM_FACTOR = 5
 
 
 def load_pipelines(settings: Settings) -> tuple[list[Pipeline], list[Schedule]]:
@@ -293,7 +297,7 @@ def runner_config(settings: Settings) -> RunnerConfig:
         drain_timeout=timedelta(seconds=r.drain_timeout_seconds),
         cancel_grace=timedelta(seconds=r.cancel_grace_seconds),
         claim_batch=r.claim_batch,
-        reclaim_every=timedelta(seconds=r.reclaim_interval_seconds),
+        reclaim_every=timedelta(seconds=FALLBACK_RECLAIM_FACTOR * r.reclaim_interval_seconds),
         capability_wait=timedelta(seconds=r.capability_wait_seconds),
         max_hops=r.max_hops,
     )

@@ -88,7 +88,9 @@ class RunnerConfig:
     drain_timeout: timedelta = timedelta(seconds=10)
     cancel_grace: timedelta = timedelta(seconds=5)
     claim_batch: int = 10
-    reclaim_every: timedelta = timedelta(seconds=1)
+    # The claim path's own reclaim: a fallback for a stalled sweeper (the maintenance service
+    # reclaims every second), so rarer: each one is a statement beside the claims.
+    reclaim_every: timedelta = timedelta(seconds=5)
     report_every: timedelta = timedelta(seconds=5)
     # How long model work may wait in waiting_capability for its tier before it expires.
     capability_wait: timedelta = timedelta(hours=1)
