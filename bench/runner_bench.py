@@ -1411,9 +1411,9 @@ def _reading(r: Report) -> list[str]:
         secs = sum(v.seconds for k, v in run.calls.items() if k.startswith("claim_lane("))
         gap = r.sizes.probe_gap * 1000
         out.append(
-            f"- {label}, timed run: {sweeps / n:.1f} claim transactions per probe (every wake-up"
-            " claims all three lanes in turn, and a claim that found work or a finished handler"
-            f" wakes the loop again), {secs / sweeps * 1000:.2f} ms each: the claim loop is"
+            f"- {label}, timed run: {sweeps / n:.1f} claim statements per probe (a wake-up claims"
+            " the lanes that may hold work: rung by the doorbell, or left behind by a tenant"
+            f" limit), {secs / sweeps * 1000:.2f} ms each: the claim loop is"
             f" busy {secs * 1000 / n:.1f} ms per {gap:.0f} ms probe gap; p50/p99"
             f" {run.p50:.2f}/{run.p99:.2f} ms. Interactive claims that came back empty while a"
             f" probe had committed and waited: {run.missed} ({run.missed / n:.2f} per probe)."
