@@ -359,9 +359,14 @@ class Runner:
 
     async def _reclaim_on_claim_path(self) -> None:
         try:
-            await self.store.reclaim(batch=20, now=None)
+            reclaimed = await self.store.reclaim(batch=20, now=None)
         except Exception:
             log.exception("reclaim on the claim path failed")
+            return
+        if reclaimed:
+            # The doorbell rings for them too, but it may be off (listen = false).
+            self._hint(*Lane)
+            self._wake.set()
 
     def _model_room(self) -> tuple[list[Tier], int | None]:
         """Tiers whose model work must not be claimed now (no room), and the least room left
@@ -748,6 +753,8 @@ class Runner:
         """The pool's availability or room changed: resume waiting work, ask every lane."""
         self._hint(*Lane)
         self._wake.set()
+        if self._stopping:
+            return  # the pools are closing; the next runner resumes what waits
         if self._resume_task is None or self._resume_task.done():
             self._resume_task = asyncio.get_running_loop().create_task(
                 self._resume_waiting(), name="resume-capability"
@@ -805,11 +812,12 @@ class Runner:
         if not attempt.slot_free:
             attempt.slot_free = True
             self.slots.give(attempt.message.lane)
-            # Claim into the slot if the lane's last claim came back full (more may wait). A
-            # claim that came back short is not asked again here: if the lane's tenants were
-            # at their limit, the database still counts this attempt until its outcome
-            # commits, and _finish asks the lane again then.
-            if attempt.message.lane in self._maybe:
+            # Claim into the slot for any lane that may hold work and can use it (the shared
+            # slots serve every lane: a finished batch message makes room for interactive work
+            # that rang while all slots were busy). A lane whose last claim came back short is
+            # not asked again here: if its tenants were at their limit, the database still
+            # counts this attempt until its outcome commits, and _finish asks again then.
+            if any(self.slots.free(lane) > 0 for lane in self._maybe):
                 self._wake.set()
 
     def _finish(self, attempt: _Attempt) -> None:

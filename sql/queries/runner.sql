@@ -83,6 +83,15 @@ backlog AS (
         SELECT FROM agent_messages m
         WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
           AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+          -- What `picked` could take: not work for another tenant, late work (the expirer's)
+          -- or work of a blocked tier (a runner without a pool would otherwise ask again
+          -- after every message, in vain).
+          AND (%(tenant)s::text IS NULL OR m.tenant = %(tenant)s::text)
+          AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
+          AND (cardinality(%(blocked_tiers)s::text[]) = 0 OR NOT EXISTS (
+              SELECT FROM pipeline_stages b
+              WHERE b.pipeline = m.pipeline AND b.stage = m.stage
+                AND b.tier = ANY(%(blocked_tiers)s::text[])))
         -- The pending index's order: read from the index, never a heap scan through history.
         ORDER BY m.lane, m.tenant, m.priority DESC, m.not_before, m.id
         LIMIT %(limit)s + 1

@@ -190,3 +190,90 @@ async def test_work_held_back_by_the_tenant_limit_runs_when_other_lane_work_ends
         stop.set()
         await asyncio.wait_for(task, 20)
         await db.close()
+
+
+gate_i = asyncio.Event()
+
+
+async def gated_interactive(ctx: StageContext) -> StageResult:
+    await gate_i.wait()
+    return ctx.finish({"ok": True})
+
+
+async def test_a_freed_shared_slot_serves_another_lane_that_rang(fresh_db: Endpoints) -> None:
+    """Interactive work that rang while every slot was busy starts as soon as a batch message
+    frees a shared slot, although the batch lane itself has nothing more to claim."""
+    pipes = [
+        Pipeline("gated", (Stage("run", gated, lane=Lane.BATCH),)),
+        Pipeline("held", (Stage("run", gated_interactive),)),
+        Pipeline("quick", (Stage("run", quick),)),
+    ]
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    await PgTenantStore(db).add("acme")
+    store = PgRunnerStore(db)
+    await store.sync_pipelines(pipes)
+    # One interactive slot of its own, two shared, none for system.
+    config = RunnerConfig(
+        worker_id="shared",
+        concurrency=3,
+        reserved_interactive=1,
+        reserved_system=0,
+        poll_interval=timedelta(seconds=60),
+    )
+    runner = Runner(store, Registry(pipes), config, doorbell=PgDoorbell(fresh_db.system))
+    gate.clear()
+    gate_i.clear()
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        bus = Bus(store)
+        batch = await bus.enqueue(**request(bus, "gated", "b"))
+        await wait_status(bus, batch.id, MessageStatus.RUNNING)  # the batch lane is now empty
+        for sid in ("i1", "i2"):
+            r = await bus.enqueue(**request(bus, "held", sid))
+            await wait_status(bus, r.id, MessageStatus.RUNNING)
+        probe = await bus.enqueue(**request(bus, "quick", "probe"))  # rings; no slot is free
+        await asyncio.sleep(0.5)
+        got = await bus.get("acme", probe.id)
+        assert got is not None and got.status is MessageStatus.PENDING
+        gate.set()  # the batch message ends and frees a shared slot
+        await wait_status(bus, probe.id, MessageStatus.DONE, timeout=5)
+        assert runner.stats.polls == 0
+    finally:
+        gate.set()
+        gate_i.set()
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await db.close()
+
+
+async def test_the_claim_path_reclaims_and_runs_stranded_work_without_a_doorbell(
+    fresh_db: Endpoints,
+) -> None:
+    """No sweeper and no doorbell: a lease left behind by a dead worker is reclaimed on the
+    claim path, and the work runs at once rather than at the next fallback poll."""
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    await PgTenantStore(db).add("acme")
+    store = PgRunnerStore(db)
+    await store.sync_pipelines(PIPES)
+    bus = Bus(store)
+    r = await bus.enqueue(**request(bus, "quick", "stranded"))
+    found = await store.claim_lane(
+        worker="dead", lane=Lane.INTERACTIVE, limit=1, lease=timedelta(seconds=0.2),
+        tenant_limit=8, now=None,
+    )  # fmt: skip
+    assert [m.id for m in found.messages] == [r.id]
+    await asyncio.sleep(0.4)  # its lease has expired; nothing has reclaimed it
+    config = RunnerConfig(worker_id="alone", poll_interval=timedelta(seconds=60))
+    runner = Runner(store, Registry(PIPES), config, doorbell=None)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        await wait_status(bus, r.id, MessageStatus.DONE, timeout=5)
+        assert runner.stats.polls == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await db.close()

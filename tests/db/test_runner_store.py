@@ -264,6 +264,31 @@ async def test_claim_says_when_it_left_work_behind(rstore: PgRunnerStore) -> Non
     assert len(found.messages) == 2 and not found.left_behind  # exactly what was there
 
 
+async def test_claims_and_heartbeats_leave_the_connection_durable(
+    fresh_db: Endpoints, rstore: PgRunnerStore
+) -> None:
+    """They commit without waiting for the WAL flush by a setting local to their own statement:
+    the pooled connection's next statement (an acknowledgement) is durable again."""
+    one = Database(fresh_db, min_size=1, max_size=1)
+    await one.open()
+    try:
+        store = PgRunnerStore(one)
+        async with one.system_conn() as conn:
+            await conn.execute("SET synchronous_commit = on")  # as in production
+        await Bus(rstore).enqueue_many([req(Bus(rstore), "d")], now=T0)
+        (m,) = (
+            await store.claim_lane(
+                worker="w", lane=Lane.INTERACTIVE, limit=1, lease=LEASE, tenant_limit=8, now=None
+            )
+        ).messages
+        await store.heartbeat_many([m.lease], extend=LEASE, now=None)
+        async with one.system_conn() as conn:
+            row = await (await conn.execute("SHOW synchronous_commit")).fetchone()
+        assert row is not None and row["synchronous_commit"] == "on"
+    finally:
+        await one.close()
+
+
 async def test_heartbeat_never_extends_past_run_deadline(rstore: PgRunnerStore) -> None:
     bus = Bus(rstore)
     await bus.enqueue_many([req(bus, "x", stage="c")], now=T0)
