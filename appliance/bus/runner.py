@@ -312,7 +312,7 @@ class Runner:
             self._last_reclaim = now_mono
             # Reclaim on the claim path too (bounded): a stalled sweeper must not strand work.
             # Beside the claims, never before them: a reclaim in the way of every 50th wake-up
-            # made it the slowest pickup. What it returns to pending rings the doorbell.
+            # made it the slowest pickup. What it returns to pending is claimed once it ends.
             if self._reclaim_task is None or self._reclaim_task.done():
                 self._reclaim_task = asyncio.get_running_loop().create_task(
                     self._reclaim_on_claim_path(), name="reclaim-on-claim-path"

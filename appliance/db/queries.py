@@ -41,11 +41,18 @@ def compact(sql: str) -> str:
 
     The driver caches the parsing of a statement's placeholders only for texts up to 4 KiB;
     a longer one (the commented claim) was re-parsed on every call, costing more client CPU
-    than the round trip. No query spreads a string literal over several lines, so stripping
-    each line changes nothing the server sees but whitespace.
+    than the round trip. Stripping lines is safe only while no literal spans lines, so a line
+    with an odd number of quotes, or a dollar quote, is refused.
     """
-    lines = (line.strip() for line in sql.splitlines())
-    return "\n".join(line for line in lines if line and not line.startswith("--"))
+    lines = [line.strip() for line in sql.splitlines()]
+    kept = [line for line in lines if line and not line.startswith("--")]
+    for line in kept:
+        if line.count("'") % 2 or "$$" in line:
+            raise ConfigurationError(
+                f"a named query line may not open a literal it does not close: {line!r} "
+                "(keep string literals on one line, and apostrophes out of trailing comments)"
+            )
+    return "\n".join(kept)
 
 
 def parse(text: str, origin: str) -> dict[str, Query]:
@@ -58,7 +65,10 @@ def parse(text: str, origin: str) -> dict[str, Query]:
     def flush() -> None:
         if current is None:
             return
-        sql = compact("\n".join(body)).rstrip(";").strip()
+        try:
+            sql = compact("\n".join(body)).rstrip(";").strip()
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{origin}: query {current[0]}: {exc}") from None
         if not sql:
             raise ConfigurationError(f"{origin}: query {current[0]} has no SQL")
         if not doc:

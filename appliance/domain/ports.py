@@ -54,9 +54,9 @@ class HeartbeatResult:
 
 @dataclass(frozen=True)
 class LaneClaim:
-    """What one claim of a lane leased, and whether it left claimable-looking work behind
-    (tenant limits, rows locked by another claimer, model backpressure): a runner asks that
-    lane again when its own work finishes only then, and otherwise waits for the doorbell."""
+    """What one claim of a lane leased, and whether it left claimable work behind (a tenant
+    at its limit, rows another claimer held): a runner asks the lanes again when its own work
+    finishes only then, and otherwise waits for the doorbell."""
 
     messages: list[Message]
     left_behind: bool
