@@ -125,7 +125,7 @@ def test_named_query_parser() -> None:
     assert queries["c"].doc == "Lists." and queries["c"].sql == "SELECT 2\nFROM x"
     text = "-- name: d :one\n-- Indented.\n  SELECT 'a -- b'\n\n    -- gone\n  FROM y -- kept\n"
     assert parse(text, "t.sql")["d"].sql == "SELECT 'a -- b'\nFROM y -- kept"
-    with pytest.raises(ConfigurationError, match="query e: .*literal"):
+    with pytest.raises(ConfigurationError, match=r"query e: .*literal"):
         parse("-- name: e :one\n-- Spans.\nSELECT 'a\n  b'", "t.sql")
     with pytest.raises(ConfigurationError, match="description"):
         parse("-- name: x :one\nSELECT 1;", "t.sql")
