@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import itertools
 import json
 import logging
 import re
@@ -65,6 +64,7 @@ from bench.harness import (
     code_version,
     create_database,
     fmt_rate,
+    fresh_tag,
     machine_facts,
     markdown_table,
     postmaster_pid,
@@ -137,13 +137,6 @@ QUICK = Sizes(
     rtt=500,
 )
 
-_serial = itertools.count()
-
-
-def _fresh_tag() -> str:
-    """A prefix that keeps every repeat's idempotency keys new."""
-    return f"r{next(_serial)}-{time.monotonic_ns()}"
-
 
 def _fields(tag: str, i: int) -> dict[str, Any]:
     return {
@@ -195,7 +188,7 @@ class BusTarget:
         )
 
     def requests(self, n: int) -> list[EnqueueRequest]:
-        tag = _fresh_tag()
+        tag = fresh_tag()
         return [self.bus.request(**_fields(tag, i)) for i in range(n)]
 
     async def prefill(self, n: int) -> None:
@@ -211,7 +204,7 @@ class BusTarget:
 
     async def single(self, n: int, tasks: int) -> Sample:
         await self.reset()
-        tag = _fresh_tag()
+        tag = fresh_tag()
         bus = self.bus
 
         async def run(part: int) -> None:

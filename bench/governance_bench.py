@@ -53,7 +53,6 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import os
 import statistics
 import sys
@@ -99,8 +98,10 @@ from bench.harness import (
     create_database,
     fmt_rate,
     fmt_share,
+    fresh_tag,
     machine_facts,
     markdown_table,
+    percentile,
     postmaster_pid,
     server_facts,
     temp_cluster,
@@ -175,23 +176,6 @@ QUICK = Sizes(
     contenders=50,
     fits=20,
 )
-
-_serial = itertools.count()
-
-
-def _tag() -> str:
-    return f"r{next(_serial)}-{time.monotonic_ns()}"
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -500,7 +484,7 @@ async def drain(
         await store.sync_pipelines(pipes)
         pipe = pipes[0]
         stage = pipe.stages[0].name
-        tag = _tag()
+        tag = fresh_tag()
         requests = [
             bus.request(
                 tenant=TENANT,

@@ -5,6 +5,8 @@ machine facts, and writing one section of bench/RESULTS.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import os
 import platform
 import re
@@ -31,6 +33,27 @@ RESULTS_INTRO = (
     "rewrites only that one). Every script starts its own PostgreSQL with the appliance's "
     "default settings (fsync on) in a temporary directory, measures, and removes it again.\n"
 )
+
+
+# -- small shared helpers ------------------------------------------------------------------------
+
+_serial = itertools.count()
+
+
+def fresh_tag() -> str:
+    """A prefix that keeps every repeat's idempotency keys new."""
+    return f"r{next(_serial)}-{time.monotonic_ns()}"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 # -- a throw-away server --------------------------------------------------------------------------

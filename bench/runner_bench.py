@@ -44,9 +44,7 @@ import bisect
 import contextlib
 import cProfile
 import functools
-import itertools
 import logging
-import math
 import os
 import pstats
 import re
@@ -85,8 +83,10 @@ from bench.harness import (
     create_database,
     fmt_rate,
     fmt_share,
+    fresh_tag,
     machine_facts,
     markdown_table,
+    percentile,
     postmaster_pid,
     server_facts,
     temp_cluster,
@@ -155,13 +155,6 @@ QUICK = Sizes(
 # What-if runner settings for the diagnostics (not the product defaults).
 WIDE = RunnerConfig(concurrency=32, tenant_limit=32, claim_batch=32)
 
-_serial = itertools.count()
-
-
-def _tag() -> str:
-    """A prefix that keeps every repeat's idempotency keys new."""
-    return f"r{next(_serial)}-{time.monotonic_ns()}"
-
 
 async def until(check: Callable[[], bool], timeout: float, every: float = 0.01) -> bool:
     """Poll `check` every `every` seconds; False when `timeout` passed first."""
@@ -207,17 +200,6 @@ PIPELINES = [
 
 
 # -- statistics -----------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 @dataclass
@@ -444,7 +426,7 @@ class BusSide:
 
     async def prefill(self, n: int, tenants: Sequence[str], stage: str, lane: Lane) -> None:
         """n messages spread evenly over `tenants`, in batches of one tenant each."""
-        tag = _tag()
+        tag = fresh_tag()
         per: dict[str, list[EnqueueRequest]] = {t: [] for t in tenants}
         for i in range(n):
             tenant = tenants[i % len(tenants)]
@@ -551,7 +533,7 @@ class BusSide:
         if backlog:
             await self.prefill(backlog, [backlog_tenant], "backlog", Lane.BATCH)
         STARTS.clear()
-        tag = _tag()
+        tag = fresh_tag()
         committed: dict[int, float] = {}
         note = ""
         async with self.serving(
@@ -836,7 +818,7 @@ async def reclaim_runs(side: BusSide, leases: Sequence[float], kills: int) -> li
                     pipeline="work",
                     stage="run",
                     source="reclaim",
-                    source_id=_tag(),
+                    source_id=fresh_tag(),
                     directive="hold the lease",
                     context={"sleep": 3600},
                     max_attempts=kills + 5,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -46,13 +47,45 @@ PIPES = [
 ]
 
 
-@pytest.fixture
-async def running(fresh_db: Endpoints) -> AsyncIterator[tuple[Bus, PgRunnerStore, Runner]]:
+@asynccontextmanager
+async def opened(fresh_db: Endpoints, pipes: list[Pipeline]) -> AsyncIterator[PgRunnerStore]:
+    """A store on its own pools, tenant `acme` added and `pipes` synced."""
     db = Database(fresh_db, max_size=8)
     await db.open()
-    await PgTenantStore(db).add("acme")
-    store = PgRunnerStore(db)
-    await store.sync_pipelines(PIPES)
+    try:
+        await PgTenantStore(db).add("acme")
+        store = PgRunnerStore(db)
+        await store.sync_pipelines(pipes)
+        yield store
+    finally:
+        await db.close()
+
+
+@asynccontextmanager
+async def serving(
+    store: PgRunnerStore,
+    pipes: list[Pipeline],
+    config: RunnerConfig,
+    doorbell: PgDoorbell | None,
+    *gates: asyncio.Event,
+) -> AsyncIterator[Runner]:
+    """A runner of `pipes` in this event loop; on the way out its `gates` open, then it stops."""
+    for g in gates:
+        g.clear()
+    runner = Runner(store, Registry(pipes), config, doorbell=doorbell)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield runner
+    finally:
+        for g in gates:
+            g.set()
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+@pytest.fixture
+async def running(fresh_db: Endpoints) -> AsyncIterator[tuple[Bus, PgRunnerStore, Runner]]:
     config = RunnerConfig(
         worker_id="inproc",
         concurrency=4,
@@ -61,16 +94,11 @@ async def running(fresh_db: Endpoints) -> AsyncIterator[tuple[Bus, PgRunnerStore
         cancel_grace=timedelta(seconds=1),
         report_every=timedelta(seconds=0.5),
     )
-    doorbell = PgDoorbell(fresh_db.system)
-    runner = Runner(store, Registry(PIPES), config, doorbell=doorbell)
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
+    async with (
+        opened(fresh_db, PIPES) as store,
+        serving(store, PIPES, config, PgDoorbell(fresh_db.system)) as runner,
+    ):
         yield Bus(store), store, runner
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
-        await db.close()
 
 
 async def wait_status(bus: Bus, mid: int, status: MessageStatus, timeout: float = 10) -> None:
@@ -161,19 +189,13 @@ async def test_work_held_back_by_the_tenant_limit_runs_when_other_lane_work_ends
         Pipeline("gated", (Stage("run", gated, lane=Lane.BATCH),)),
         Pipeline("quick", (Stage("run", quick),)),
     ]
-    db = Database(fresh_db, max_size=8)
-    await db.open()
-    await PgTenantStore(db).add("acme")
-    store = PgRunnerStore(db)
-    await store.sync_pipelines(pipes)
     config = RunnerConfig(
         worker_id="limited", concurrency=6, tenant_limit=2, poll_interval=timedelta(seconds=60)
     )
-    runner = Runner(store, Registry(pipes), config, doorbell=PgDoorbell(fresh_db.system))
-    gate.clear()
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
+    async with (
+        opened(fresh_db, pipes) as store,
+        serving(store, pipes, config, PgDoorbell(fresh_db.system), gate) as runner,
+    ):
         bus = Bus(store)
         held = [await bus.enqueue(**request(bus, "gated", str(i))) for i in range(2)]
         for r in held:
@@ -185,11 +207,6 @@ async def test_work_held_back_by_the_tenant_limit_runs_when_other_lane_work_ends
         gate.set()
         await wait_status(bus, probe.id, MessageStatus.DONE, timeout=5)
         assert runner.stats.polls == 0
-    finally:
-        gate.set()
-        stop.set()
-        await asyncio.wait_for(task, 20)
-        await db.close()
 
 
 gate_i = asyncio.Event()
@@ -208,11 +225,6 @@ async def test_a_freed_shared_slot_serves_another_lane_that_rang(fresh_db: Endpo
         Pipeline("held", (Stage("run", gated_interactive),)),
         Pipeline("quick", (Stage("run", quick),)),
     ]
-    db = Database(fresh_db, max_size=8)
-    await db.open()
-    await PgTenantStore(db).add("acme")
-    store = PgRunnerStore(db)
-    await store.sync_pipelines(pipes)
     # One interactive slot of its own, two shared, none for system.
     config = RunnerConfig(
         worker_id="shared",
@@ -221,12 +233,11 @@ async def test_a_freed_shared_slot_serves_another_lane_that_rang(fresh_db: Endpo
         reserved_system=0,
         poll_interval=timedelta(seconds=60),
     )
-    runner = Runner(store, Registry(pipes), config, doorbell=PgDoorbell(fresh_db.system))
-    gate.clear()
-    gate_i.clear()
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
+    doorbell = PgDoorbell(fresh_db.system)
+    async with (
+        opened(fresh_db, pipes) as store,
+        serving(store, pipes, config, doorbell, gate, gate_i) as runner,
+    ):
         bus = Bus(store)
         batch = await bus.enqueue(**request(bus, "gated", "b"))
         await wait_status(bus, batch.id, MessageStatus.RUNNING)  # the batch lane is now empty
@@ -240,12 +251,6 @@ async def test_a_freed_shared_slot_serves_another_lane_that_rang(fresh_db: Endpo
         gate.set()  # the batch message ends and frees a shared slot
         await wait_status(bus, probe.id, MessageStatus.DONE, timeout=5)
         assert runner.stats.polls == 0
-    finally:
-        gate.set()
-        gate_i.set()
-        stop.set()
-        await asyncio.wait_for(task, 20)
-        await db.close()
 
 
 async def test_the_claim_path_reclaims_and_runs_stranded_work_without_a_doorbell(
@@ -253,27 +258,16 @@ async def test_the_claim_path_reclaims_and_runs_stranded_work_without_a_doorbell
 ) -> None:
     """No sweeper and no doorbell: a lease left behind by a dead worker is reclaimed on the
     claim path, and the work runs at once rather than at the next fallback poll."""
-    db = Database(fresh_db, max_size=8)
-    await db.open()
-    await PgTenantStore(db).add("acme")
-    store = PgRunnerStore(db)
-    await store.sync_pipelines(PIPES)
-    bus = Bus(store)
-    r = await bus.enqueue(**request(bus, "quick", "stranded"))
-    found = await store.claim_lane(
-        worker="dead", lane=Lane.INTERACTIVE, limit=1, lease=timedelta(seconds=0.2),
-        tenant_limit=8, now=None,
-    )  # fmt: skip
-    assert [m.id for m in found.messages] == [r.id]
-    await asyncio.sleep(0.4)  # its lease has expired; nothing has reclaimed it
-    config = RunnerConfig(worker_id="alone", poll_interval=timedelta(seconds=60))
-    runner = Runner(store, Registry(PIPES), config, doorbell=None)
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
-        await wait_status(bus, r.id, MessageStatus.DONE, timeout=5)
-        assert runner.stats.polls == 0
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
-        await db.close()
+    async with opened(fresh_db, PIPES) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "quick", "stranded"))
+        found = await store.claim_lane(
+            worker="dead", lane=Lane.INTERACTIVE, limit=1, lease=timedelta(seconds=0.2),
+            tenant_limit=8, now=None,
+        )  # fmt: skip
+        assert [m.id for m in found.messages] == [r.id]
+        await asyncio.sleep(0.4)  # its lease has expired; nothing has reclaimed it
+        config = RunnerConfig(worker_id="alone", poll_interval=timedelta(seconds=60))
+        async with serving(store, PIPES, config, None) as runner:
+            await wait_status(bus, r.id, MessageStatus.DONE, timeout=5)
+            assert runner.stats.polls == 0

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
-from typing import Any
 
 import pytest
 
@@ -31,6 +30,7 @@ from appliance.inference.pool import InferencePool
 from appliance.metering.meter import Meter
 from appliance.metering.sources import EstimateSource, ThreadCpu, process_cpu_seconds
 from tests.inference.models import spec
+from tests.inference.rigs import DbChecks
 
 
 async def label(ctx: StageContext) -> StageResult:
@@ -73,23 +73,11 @@ PIPES = [
 
 
 @dataclass
-class Rig:
+class Rig(DbChecks):
     bus: Bus
     spend: PgSpendStore
     db: Database
     pool: InferencePool
-
-    async def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        async with self.db.system_conn() as conn:
-            return list(await (await conn.execute(sql, params or {})).fetchall())
-
-    async def wait(self, check: Callable[[], Any], timeout: float = 60, what: str = "") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if await check():
-                return
-            await asyncio.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}")
 
     async def status_of(self, pipeline: str) -> list[str]:
         rows = await self.rows(

@@ -26,6 +26,7 @@ from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, S
 from appliance.inference.pool import InferencePool, TierSpec
 from appliance.pipelines.support import SUPPORT, TicketLabel
 from tests.inference.models import spec
+from tests.inference.rigs import DbChecks
 
 
 async def quick_classify(ctx: StageContext) -> StageResult:
@@ -63,7 +64,7 @@ PIPES = [SUPPORT, TRIAGE, STRICT]
 
 
 @dataclass
-class Rig:
+class Rig(DbChecks):
     bus: Bus
     store: PgRunnerStore
     runner: Runner
@@ -82,18 +83,6 @@ class Rig:
             context={"subject": "Charged twice", "body": "I was charged twice this month."},
         )
         return result.id
-
-    async def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        async with self.db.system_conn() as conn:
-            return list(await (await conn.execute(sql, params or {})).fetchall())
-
-    async def wait(self, check: Callable[[], Any], timeout: float = 60.0, what: str = "") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if await check():
-                return
-            await asyncio.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}")
 
     async def stage_status(self, source_id: str, stage: str) -> str | None:
         rows = await self.rows(
