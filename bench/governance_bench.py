@@ -59,7 +59,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -297,6 +297,32 @@ class PairKind:
         return f"{min(per):,.0f}-{max(per):,.0f}" if per else "-"
 
 
+async def leases(db: Database, tenant: str, n: int) -> list[LeaseRef]:
+    """n messages of `tenant`, enqueued and claimed (an hour's lease): a hold is taken only
+    under a live lease, as the runner takes it."""
+    store = PgRunnerStore(db)
+    bus = Bus(store, BusConfig())
+    tag = fresh_tag()
+    for start in range(0, n, 1_000):
+        await bus.enqueue_many(
+            [
+                bus.request(tenant=tenant, pipeline="model", stage="classify", source="bench",
+                            source_id=f"{tag}-{i}", directive="hold")
+                for i in range(start, min(n, start + 1_000))
+            ]
+        )  # fmt: skip
+    held: list[LeaseRef] = []
+    while len(held) < n:
+        found = await store.claim_lane(
+            worker="bench", lane=Lane.INTERACTIVE, limit=min(500, n - len(held)),
+            lease=timedelta(hours=1), tenant_limit=n, now=None,
+        )  # fmt: skip
+        if not found.messages:
+            raise RuntimeError(f"claimed {len(held)} of {n} messages to hold leases with")
+        held += [m.lease for m in found.messages]
+    return held
+
+
 async def admission_cost(server: Server, sizes: Sizes) -> list[PairKind]:
     """reserve + settle vs SELECT 1 twice vs two durable UPDATEs, interleaved in blocks."""
     async with server.fresh("admit", min_size=2, max_size=4) as db:
@@ -305,7 +331,8 @@ async def admission_cost(server: Server, sizes: Sizes) -> list[PairKind]:
         prompt = "Ticket: order 1: I was charged twice\nLabel:"
         estimate = PRICING.worst_case(model, len(prompt.encode()) + 2, 1, 1024)
         charge = PRICING.tariff.cost(25.0, datetime.now(UTC))
-        serial = itertools.count(1)
+        calls = sizes.warmup + max(1, sizes.pairs // sizes.block) * sizes.block
+        held = iter(await leases(db, TENANT, calls))
 
         async def admission() -> tuple[float, float]:
             t0 = time.perf_counter()
@@ -313,7 +340,7 @@ async def admission_cost(server: Server, sizes: Sizes) -> list[PairKind]:
                 tenant=TENANT,
                 lane=Lane.INTERACTIVE,
                 amount=estimate.amount,
-                lease=LeaseRef(next(serial), 1),
+                lease=next(held),
                 pipeline="model",
                 stage="classify",
                 kind="classify",
@@ -690,9 +717,11 @@ async def contention(server: Server, sizes: Sizes) -> Contention:
         spend = PgSpendStore(db)
         tenants = PgTenantStore(db)
         names = [f"c{r:03d}" for r in range(sizes.rounds + 1)]
+        held: dict[str, list[LeaseRef]] = {}
         for name in names:
             await tenants.add(name)
             await spend.set_cap(f"tenant:{name}", CONTENTION_AMOUNT * k)
+            held[name] = await leases(db, name, c)
 
         async def one_round(tenant: str) -> list[tuple[float, float, bool]]:
             barrier = asyncio.Barrier(c)
@@ -704,7 +733,7 @@ async def contention(server: Server, sizes: Sizes) -> Contention:
                     tenant=tenant,
                     lane=Lane.INTERACTIVE,
                     amount=CONTENTION_AMOUNT,
-                    lease=LeaseRef(i + 1, 1),
+                    lease=held[tenant][i],
                     pipeline="model",
                     stage="classify",
                     kind="classify",
