@@ -32,8 +32,9 @@ What it measures (fsync on, the appliance's default server settings):
    `reserved` agree; overshoot (admitted beyond the cap) must be 0.
 
 The machine may be shared: `others' CPU` is the cores' worth of CPU other processes used during
-the median run or block (0.00 = a quiet box). Nothing is written to bench/RESULTS.md; the figures
-are printed, and written as JSON with `--json PATH`.
+the median run or block (0.00 = a quiet box). The figures are printed and written to the
+`## governance` section of bench/RESULTS.md (not with --quick or --no-write), and as JSON with
+`--json PATH`.
 
 It starts its own PostgreSQL (LocalCluster, default durability: fsync on) in a temporary folder
 on port 55437 and removes it at the end.
@@ -105,6 +106,7 @@ from bench.harness import (
     postmaster_pid,
     server_facts,
     temp_cluster,
+    write_section,
 )
 from tests.inference.models import spec
 
@@ -1136,6 +1138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
+    parser.add_argument("--no-write", action="store_true", help="do not update bench/RESULTS.md")
     parser.add_argument("--port", type=int, default=PORT)
     parser.add_argument(
         "--threads",
@@ -1162,7 +1165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(to_json(report), out, indent=2, default=str)
         print(f"\nJSON written to {args.json}")
     if args.quick:
-        print("\n(--quick: sizes too small to be figures)")
+        print("\n(--quick: sizes too small to be figures; RESULTS.md not written)")
+    elif not args.no_write:
+        write_section("governance", text)
+        print("\nwritten to bench/RESULTS.md, section `## governance`")
     return 0
 
 
