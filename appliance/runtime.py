@@ -176,13 +176,9 @@ def tier_specs(settings: Settings) -> list[TierSpec]:
             continue
         verified = cache.verify(entry)
         specs.append(
-            TierSpec(
-                tier=tier,
-                model=entry.name,
-                sha256=entry.sha256,
-                path=verified.path,
-                chat_format=entry.chat_format,
-                context_length=entry.context_length,
+            TierSpec.of(
+                entry,
+                verified.path,
                 workers=ts.workers,
                 n_ctx=ts.n_ctx,
                 n_threads=ts.n_threads,

@@ -150,14 +150,9 @@ class Model:
     path: Path
 
     def spec(self, workers: int, n_threads: int, n_gpu_layers: int = 0, queue: int = 8) -> TierSpec:
-        e = self.entry
-        return TierSpec(
-            tier=self.tier,
-            model=e.name,
-            sha256=e.sha256,
-            path=self.path,
-            chat_format=e.chat_format,
-            context_length=e.context_length,
+        return TierSpec.of(
+            self.entry,
+            self.path,
             workers=workers,
             n_threads=n_threads,
             n_ctx=N_CTX,

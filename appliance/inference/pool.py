@@ -42,6 +42,7 @@ from appliance.domain.inference import (
     QueueFull,
     Tier,
 )
+from appliance.inference.lockfile import ModelEntry
 
 log = logging.getLogger("appliance.inference")
 
@@ -61,6 +62,20 @@ class TierSpec:
     n_threads: int | None = None  # None: the cores split evenly over every worker of the pool
     n_gpu_layers: int = 0
     queue: int = 8
+
+    @classmethod
+    def of(cls, entry: ModelEntry, path: Path, **resources: Any) -> TierSpec:
+        """The tier of a pinned model whose file at `path` was verified, with `resources`
+        (workers, n_ctx, n_threads, n_gpu_layers, queue) where not the defaults."""
+        return cls(
+            tier=entry.tier,
+            model=entry.name,
+            sha256=entry.sha256,
+            path=path,
+            chat_format=entry.chat_format,
+            context_length=entry.context_length,
+            **resources,
+        )
 
 
 _LOAD_LOCK = threading.Lock()

@@ -27,17 +27,5 @@ def spec(tier: Tier, **overrides: object) -> TierSpec:
         path = ModelCache().verify(e).path
     except ConfigurationError as exc:  # pragma: no cover - scripts/test fetches the models
         pytest.fail(f"{exc} (./scripts/test fetches them)")
-    values: dict[str, object] = {
-        "tier": tier,
-        "model": e.name,
-        "sha256": e.sha256,
-        "path": path,
-        "chat_format": e.chat_format,
-        "context_length": e.context_length,
-        "workers": 1,
-        "n_ctx": 1024,
-        "n_threads": 1,
-        "queue": 4,
-    }
-    values.update(overrides)
-    return TierSpec(**values)  # type: ignore[arg-type]
+    resources: dict[str, object] = {"workers": 1, "n_ctx": 1024, "n_threads": 1, "queue": 4}
+    return TierSpec.of(e, path, **{**resources, **overrides})
