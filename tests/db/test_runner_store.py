@@ -4,6 +4,7 @@ schedules and the claim's cost with a large history. Time is injected, nothing s
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -11,6 +12,7 @@ import psycopg
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from psycopg.rows import dict_row
 
 from appliance.bus.core import Bus, BusConfig
 from appliance.db.database import Database, Endpoints
@@ -380,17 +382,53 @@ async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoi
             "blocked_tiers": [],
             "now": None,
         }
+        plans = []
         async with db.system_pool.connection() as aconn:
-            async with aconn.transaction(force_rollback=True):
-                cur = await aconn.execute(
-                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + q("message_claim_lane"), params
-                )
-                row = await cur.fetchone()
-        assert row is not None
-        plan = row["QUERY PLAN"][0]
+            # The plan for these values, and the generic plan that runtime connections run
+            # (plan_cache_mode=force_generic_plan): EXPLAIN of a prepared statement.
+            setting = await (await aconn.execute("SHOW plan_cache_mode")).fetchone()
+            assert setting is not None and setting["plan_cache_mode"] == "force_generic_plan"
+            names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", q("message_claim_lane"))))
+            numbered = re.sub(
+                r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", q("message_claim_lane")
+            )
+            args = ", ".join(f"%({n})s::{_CLAIM_PARAM_TYPES[n]}" for n in names)
+            types = ", ".join(_CLAIM_PARAM_TYPES[n] for n in names)
+            await aconn.execute(f"PREPARE claim_generic ({types}) AS {numbered}")
+            for explain in (
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + q("message_claim_lane"),
+                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_generic({args})",
+            ):
+                async with aconn.transaction(force_rollback=True):
+                    # Values inlined client-side: EXECUTE's arguments inside EXPLAIN cannot
+                    # take protocol parameters whose type the server must infer.
+                    cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
+                    await cur.execute(explain, params)
+                    row = await cur.fetchone()
+                    assert row is not None
+                    plans.append(row["QUERY PLAN"][0])
+            await aconn.execute("DEALLOCATE claim_generic")
     finally:
         await db.close()
+    assert len(plans) == 2
+    for plan in plans:
+        _check_bounded_claim_plan(plan)
 
+
+_CLAIM_PARAM_TYPES = {
+    "worker": "text",
+    "lane": "lane",
+    "limit": "integer",
+    "lease": "interval",
+    "tenant_limit": "integer",
+    "tenant": "text",
+    "max_runtime": "interval",
+    "blocked_tiers": "text[]",
+    "now": "timestamptz",
+}
+
+
+def _check_bounded_claim_plan(plan: dict[str, Any]) -> None:
     def nodes(node: dict[str, object]) -> list[dict[str, object]]:
         found = [node]
         for child in node.get("Plans", []):  # type: ignore[attr-defined]
