@@ -61,7 +61,15 @@ CREATE FUNCTION appliance.agent_messages_log_insert() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'appliance', 'pg_catalog'
     AS $$
+DECLARE
+    unknown text;
 BEGIN
+    SELECT n.tenant INTO unknown FROM new_rows n
+    WHERE NOT EXISTS (SELECT FROM tenants t WHERE t.name = n.tenant) LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'unknown tenant %', unknown
+            USING ERRCODE = 'foreign_key_violation', DETAIL = unknown;
+    END IF;
     INSERT INTO message_transitions
         (tenant, message_id, from_status, to_status, reason, actor, attempt, lease_token, at)
     SELECT n.tenant, n.id, NULL, n.status, n.status_reason, n.status_actor, n.attempts,
@@ -153,41 +161,28 @@ BEGIN
     IF seen.done > 0 THEN
         -- Stage hand-off: done -> the next stage for the outcome, keyed (source, source id,
         -- stage), so a retried completion or a second runner can never enqueue it twice.
-        SELECT array_agg(x.ord) AS ord, array_agg(x.tenant) AS tenant,
-               array_agg(x.pipeline) AS pipeline, array_agg(x.stage) AS stage,
-               array_agg(x.source) AS source, array_agg(x.source_id) AS source_id,
-               array_agg(x.key) AS key, array_agg(x.directive) AS directive,
-               array_agg(x.context) AS context, array_agg(x.from_agent) AS from_agent,
-               array_agg(x.to_agent) AS to_agent, array_agg(x.lane) AS lane,
-               array_agg(x.priority) AS priority, array_agg(x.max_attempts) AS max_attempts,
-               array_agg(x.not_before) AS not_before, array_agg(x.deadline) AS deadline,
-               array_agg(x.hops) AS hops, max(x.at) AS at, count(*) AS n
+        -- The requests in enqueue_requests' row layout.
+        SELECT jsonb_agg(jsonb_build_array(
+                   n.tenant, n.pipeline, r.next_stage, n.source, n.source_id,
+                   idempotency_key(n.source, n.source_id, r.next_stage), s.directive,
+                   n.pipeline || '.' || n.stage, n.pipeline || '.' || r.next_stage, s.lane,
+                   n.priority, s.max_attempts, NULL, n.deadline, n.hops + 1,
+                   coalesce(n.result, 'null'::jsonb))) AS requests,
+               max(n.updated_at) AS at
         INTO nxt
-        FROM (
-            SELECT row_number() OVER ()::integer AS ord, n.tenant, n.pipeline,
-                   r.next_stage AS stage, n.source, n.source_id,
-                   idempotency_key(n.source, n.source_id, r.next_stage) AS key,
-                   s.directive, coalesce(n.result, 'null'::jsonb) AS context,
-                   n.pipeline || '.' || n.stage AS from_agent,
-                   n.pipeline || '.' || r.next_stage AS to_agent, s.lane, n.priority,
-                   s.max_attempts, NULL::timestamptz AS not_before, n.deadline,
-                   n.hops + 1 AS hops, n.updated_at AS at
-            FROM new_rows n
-            JOIN old_rows o ON o.id = n.id
-            JOIN stage_routes r
-              ON r.pipeline = n.pipeline AND r.stage = n.stage
-             AND r.outcome = coalesce(n.outcome, 'ok')
-            JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.next_stage
-            WHERE n.status = 'done' AND o.status = 'running'
-        ) AS x;
-        IF nxt.n > 0 THEN
-            PERFORM enqueue_messages(
+        FROM new_rows n
+        JOIN old_rows o ON o.id = n.id
+        JOIN stage_routes r
+          ON r.pipeline = n.pipeline AND r.stage = n.stage
+         AND r.outcome = coalesce(n.outcome, 'ok')
+        JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.next_stage
+        WHERE n.status = 'done' AND o.status = 'running';
+        IF nxt.requests IS NOT NULL THEN
+            PERFORM enqueue_requests(
                 nxt.at,
                 coalesce(nullif(current_setting('appliance.idempotency_retention', true), ''),
                          '90 days')::interval,
-                nxt.ord, nxt.tenant, nxt.pipeline, nxt.stage, nxt.source, nxt.source_id, nxt.key,
-                nxt.directive, nxt.context, nxt.from_agent, nxt.to_agent, nxt.lane, nxt.priority,
-                nxt.max_attempts, nxt.not_before, nxt.deadline, nxt.hops);
+                nxt.requests);
         END IF;
     END IF;
 
@@ -283,41 +278,42 @@ CREATE FUNCTION appliance.current_tenant() RETURNS text
 ALTER FUNCTION appliance.current_tenant() OWNER TO appliance_owner;
 
 --
--- Name: enqueue_messages(timestamp with time zone, interval, integer[], text[], text[], text[], text[], text[], text[], text[], jsonb[], text[], text[], appliance.lane[], smallint[], integer[], timestamp with time zone[], timestamp with time zone[], integer[], integer, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+-- Name: enqueue_requests(timestamp with time zone, interval, jsonb, integer, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[], p_default_max_attempts integer DEFAULT 5, p_scope text DEFAULT NULL::text) RETURNS TABLE(ord integer, id bigint, new boolean)
+CREATE FUNCTION appliance.enqueue_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer DEFAULT 5, p_scope text DEFAULT NULL::text) RETURNS TABLE(ord integer, id bigint, new boolean)
     LANGUAGE plpgsql
     SET search_path TO 'appliance', 'pg_catalog'
     AS $$
-DECLARE
-    unknown text;
 BEGIN
+IF jsonb_typeof(p_requests) IS DISTINCT FROM 'array' THEN
+    RAISE EXCEPTION 'enqueue requests must be a JSON array, got %', jsonb_typeof(p_requests)
+        USING ERRCODE = 'invalid_parameter_value';
+END IF;
 -- p_scope: the tenant of this transaction (SET LOCAL), so that a tenant's enqueue is one
 -- autocommit statement, one round trip; row-level security then checks every row against it.
 IF p_scope IS NOT NULL THEN
     PERFORM set_config('appliance.tenant', p_scope, true);
 END IF;
--- One set-based check instead of a foreign-key probe per key row.
-SELECT t INTO unknown FROM unnest(p_tenant) AS t
-WHERE NOT EXISTS (SELECT FROM tenants WHERE name = t) LIMIT 1;
-IF FOUND THEN
-    RAISE EXCEPTION 'unknown tenant %', unknown
-        USING ERRCODE = 'foreign_key_violation', DETAIL = unknown;
-END IF;
+-- Unknown tenants are refused by the insert trigger (agent_messages_log_insert, below).
 RETURN QUERY
-WITH req AS (
+WITH raw AS (
+    SELECT (e.n - 1)::integer AS ord, e.r->>0 AS tenant, e.r->>1 AS pipeline, e.r->>2 AS stage,
+           e.r->>3 AS source, e.r->>4 AS source_id, e.r->>5 AS key, e.r->>6 AS directive,
+           e.r->>7 AS from_agent, e.r->>8 AS to_agent, (e.r->>9)::lane AS lane,
+           (e.r->>10)::smallint AS priority, (e.r->>11)::integer AS max_attempts,
+           (e.r->>12)::timestamptz AS not_before, (e.r->>13)::timestamptz AS deadline,
+           (e.r->>14)::integer AS hops, e.r->15 AS context
+    FROM jsonb_array_elements(p_requests) WITH ORDINALITY AS e(r, n)
+),
+req AS (
     -- Unset lane and max attempts come from the declared stage, else the defaults.
     SELECT r.ord, r.tenant, r.pipeline, r.stage, r.source, r.source_id, r.key, r.directive,
-           r.context, r.from_agent, r.to_agent,
-           coalesce(r.lane, s.lane, 'interactive') AS lane, r.priority,
+           coalesce(r.context, 'null'::jsonb) AS context, r.from_agent, r.to_agent,
+           coalesce(r.lane, s.lane, 'interactive') AS lane, coalesce(r.priority, 0) AS priority,
            coalesce(r.max_attempts, s.max_attempts, p_default_max_attempts) AS max_attempts,
            r.not_before, r.deadline, r.hops, coalesce(p_now, now()) AS at
-    FROM unnest(p_ord, p_tenant, p_pipeline, p_stage, p_source, p_source_id, p_key, p_directive,
-                p_context, p_from_agent, p_to_agent, p_lane, p_priority, p_max_attempts,
-                p_not_before, p_deadline, p_hops)
-        AS r(ord, tenant, pipeline, stage, source, source_id, key, directive, context,
-             from_agent, to_agent, lane, priority, max_attempts, not_before, deadline, hops)
+    FROM raw r
     LEFT JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.stage
 ),
 keys AS (
@@ -356,7 +352,7 @@ ORDER BY req.ord;
 END
 $$;
 
-ALTER FUNCTION appliance.enqueue_messages(p_now timestamp with time zone, p_retention interval, p_ord integer[], p_tenant text[], p_pipeline text[], p_stage text[], p_source text[], p_source_id text[], p_key text[], p_directive text[], p_context jsonb[], p_from_agent text[], p_to_agent text[], p_lane appliance.lane[], p_priority smallint[], p_max_attempts integer[], p_not_before timestamp with time zone[], p_deadline timestamp with time zone[], p_hops integer[], p_default_max_attempts integer, p_scope text) OWNER TO appliance_owner;
+ALTER FUNCTION appliance.enqueue_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text) OWNER TO appliance_owner;
 
 --
 -- Name: idempotency_key(text, text, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
@@ -663,6 +659,29 @@ END
 $$;
 
 ALTER FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
+-- Name: tenants_guard(); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.tenants_guard() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
+        RETURN NEW;
+    END IF;
+    LOCK TABLE agent_messages IN SHARE MODE;
+    IF EXISTS (SELECT FROM agent_messages WHERE tenant = OLD.name) THEN
+        RAISE EXCEPTION 'tenant % still has messages', OLD.name
+            USING ERRCODE = 'foreign_key_violation', DETAIL = OLD.name;
+    END IF;
+    RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+END
+$$;
+
+ALTER FUNCTION appliance.tenants_guard() OWNER TO appliance_owner;
 
 --
 -- Name: tenants_runtime_row(); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
@@ -1452,17 +1471,16 @@ CREATE TRIGGER agent_messages_insert_trg AFTER INSERT ON appliance.agent_message
 CREATE TRIGGER agent_messages_update_trg AFTER UPDATE ON appliance.agent_messages REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION appliance.agent_messages_log_update();
 
 --
+-- Name: tenants tenants_guard_trg; Type: TRIGGER; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TRIGGER tenants_guard_trg BEFORE DELETE OR UPDATE OF name ON appliance.tenants FOR EACH ROW EXECUTE FUNCTION appliance.tenants_guard();
+
+--
 -- Name: tenants tenants_insert_trg; Type: TRIGGER; Schema: appliance; Owner: appliance_owner
 --
 
 CREATE TRIGGER tenants_insert_trg AFTER INSERT ON appliance.tenants REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION appliance.tenants_runtime_row();
-
---
--- Name: agent_messages agent_messages_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
---
-
-ALTER TABLE ONLY appliance.agent_messages
-    ADD CONSTRAINT agent_messages_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name);
 
 --
 -- Name: inference_calls inference_calls_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner

@@ -3,14 +3,10 @@
 -- tests pass an injected time instead of sleeping.
 
 -- name: message_enqueue :many
--- Insert a batch of requests (arrays, one element per request, keys already unique in the batch) in one statement, scoped to `scope` (the tenant) when given; a key seen before returns its message (new = false) and creates no work.
+-- Insert a batch of requests (a JSON array in enqueue_requests' row layout, keys already unique in the batch) in one statement, scoped to `scope` (the tenant) when given; a key seen before returns its message (new = false) and creates no work.
 SELECT e.ord, e.id, e.new
-FROM enqueue_messages(
-    %(now)s::timestamptz, %(retention)s::interval, %(ord)s::integer[], %(tenant)s::text[],
-    %(pipeline)s::text[], %(stage)s::text[], %(source)s::text[], %(source_id)s::text[],
-    %(key)s::text[], %(directive)s::text[], %(context)s::jsonb[], %(from_agent)s::text[],
-    %(to_agent)s::text[], %(lane)s::lane[], %(priority)s::smallint[], %(max_attempts)s::integer[],
-    %(not_before)s::timestamptz[], %(deadline)s::timestamptz[], %(hops)s::integer[],
+FROM enqueue_requests(
+    %(now)s::timestamptz, %(retention)s::interval, %(requests)s::jsonb,
     %(default_max_attempts)s::integer, %(scope)s::text
 ) AS e;
 

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from appliance.bus.core import Bus
-from appliance.db.database import Database
+from appliance.db.database import Database, Endpoints
 from appliance.db.message_store import _enqueue_params
 from appliance.db.queries import q
 from appliance.domain.envelope import Lane
@@ -133,3 +133,35 @@ async def test_runtime_roles_cannot_forge_the_log(bus: Bus, db: Database) -> Non
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             async with make() as conn:
                 await conn.execute("DELETE FROM agent_messages")
+
+
+async def test_messages_always_belong_to_a_known_tenant(
+    bus: Bus, db: Database, fresh_db: Endpoints
+) -> None:
+    # The envelope's referential check, both sides (migration 0007): an insert naming an
+    # unknown tenant fails whoever sends it, and a tenant with messages cannot go or be renamed.
+    await _seed(bus)
+    async with db.system_conn() as conn:
+        with pytest.raises(psycopg.errors.ForeignKeyViolation, match="unknown tenant nobody"):
+            await conn.execute(
+                "INSERT INTO agent_messages (id, tenant, pipeline, stage, source, source_id,"
+                " idempotency_key, directive, not_before, created_at, updated_at)"
+                " VALUES (nextval('agent_messages_id_seq'), 'nobody', 'p', 's', 'x', '1', 'k',"
+                " 'd', now(), now(), now())"
+            )
+        row = await (
+            await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE tenant = 'nobody'")
+        ).fetchone()
+        assert row is not None and row["n"] == 0
+    with psycopg.connect(fresh_db.admin, autocommit=True) as admin:
+        admin.execute("SET search_path = appliance, pg_catalog")
+        for statement in (
+            "DELETE FROM tenants WHERE name = 'acme'",
+            "UPDATE tenants SET name = 'acme2' WHERE name = 'acme'",
+        ):
+            with pytest.raises(psycopg.errors.ForeignKeyViolation, match="still has messages"):
+                admin.execute(statement)
+        admin.execute("INSERT INTO tenants (name) VALUES ('idle')")
+        admin.execute("DELETE FROM tenants WHERE name = 'idle'")  # no messages: allowed
+        names = [r[0] for r in admin.execute("SELECT name FROM tenants ORDER BY name")]
+    assert names == ["acme", "globex"]
