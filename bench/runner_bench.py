@@ -420,7 +420,8 @@ class BusSide:
         await self.admin_sql(
             "TRUNCATE appliance.agent_messages, appliance.idempotency_keys,"
             " appliance.message_transitions",
-            "UPDATE appliance.tenant_runtime SET running = 0, last_claimed_at = NULL",
+            "UPDATE appliance.tenant_runtime SET claimed = 0, last_claimed_at = NULL",
+            "UPDATE appliance.tenant_released SET released = 0",
             "CHECKPOINT",
         )
 

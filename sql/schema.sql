@@ -135,27 +135,42 @@ BEGIN
     WHERE n.status <> o.status;
 
     IF seen.running > 0 THEN
-        -- Running counts per tenant. Rows are locked in tenant order so that two statements
+        -- Running counts per tenant, in two rows: leases taken count up tenant_runtime.claimed
+        -- (the row a claim locks), leases ended count up tenant_released.released (a row no
+        -- claim locks). Each set of rows is locked in tenant order, so that two statements
         -- touching the same tenants can never deadlock.
         WITH delta AS (
             SELECT n.tenant,
-                   sum((n.status = 'running')::integer - (o.status = 'running')::integer) AS d,
+                   count(*) FILTER (WHERE n.status = 'running') AS taken,
+                   count(*) FILTER (WHERE o.status = 'running') AS ended,
                    max(n.claimed_at) FILTER (WHERE n.status = 'running') AS claimed
             FROM new_rows n JOIN old_rows o ON o.id = n.id
             WHERE n.status <> o.status AND 'running' IN (n.status, o.status)
             GROUP BY n.tenant
         ),
-        locked AS (
+        took AS (
             SELECT r.tenant FROM tenant_runtime r
-            WHERE r.tenant IN (SELECT tenant FROM delta)
+            WHERE r.tenant IN (SELECT d.tenant FROM delta d WHERE d.taken > 0)
             ORDER BY r.tenant
             FOR UPDATE
+        ),
+        counted AS (
+            UPDATE tenant_runtime r
+            SET claimed = r.claimed + delta.taken,
+                last_claimed_at = greatest(r.last_claimed_at, delta.claimed)
+            FROM delta JOIN took ON took.tenant = delta.tenant
+            WHERE r.tenant = delta.tenant
+        ),
+        gave AS (
+            SELECT x.tenant FROM tenant_released x
+            WHERE x.tenant IN (SELECT d.tenant FROM delta d WHERE d.ended > 0)
+            ORDER BY x.tenant
+            FOR UPDATE
         )
-        UPDATE tenant_runtime r
-        SET running = r.running + delta.d,
-            last_claimed_at = greatest(r.last_claimed_at, delta.claimed)
-        FROM delta JOIN locked ON locked.tenant = delta.tenant
-        WHERE r.tenant = delta.tenant;
+        UPDATE tenant_released x
+        SET released = x.released + delta.ended
+        FROM delta JOIN gave ON gave.tenant = delta.tenant
+        WHERE x.tenant = delta.tenant;
     END IF;
 
     IF seen.done > 0 THEN
@@ -693,6 +708,7 @@ CREATE FUNCTION appliance.tenants_runtime_row() RETURNS trigger
     AS $$
 BEGIN
     INSERT INTO tenant_runtime (tenant) SELECT n.name FROM new_rows n ON CONFLICT DO NOTHING;
+    INSERT INTO tenant_released (tenant) SELECT n.name FROM new_rows n ON CONFLICT DO NOTHING;
     RETURN NULL;
 END
 $$;
@@ -1161,17 +1177,42 @@ CREATE TABLE appliance.stage_routes (
 ALTER TABLE appliance.stage_routes OWNER TO appliance_owner;
 
 --
+-- Name: tenant_released; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.tenant_released (
+    tenant text NOT NULL,
+    released bigint DEFAULT 0 NOT NULL,
+    CONSTRAINT tenant_released_released_check CHECK ((released >= 0))
+);
+
+ALTER TABLE appliance.tenant_released OWNER TO appliance_owner;
+
+--
 -- Name: tenant_runtime; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
 CREATE TABLE appliance.tenant_runtime (
     tenant text NOT NULL,
-    running integer DEFAULT 0 NOT NULL,
+    claimed bigint DEFAULT 0 NOT NULL,
     last_claimed_at timestamp with time zone,
-    CONSTRAINT tenant_runtime_running_check CHECK ((running >= 0))
+    CONSTRAINT tenant_runtime_claimed_check CHECK ((claimed >= 0))
 );
 
 ALTER TABLE appliance.tenant_runtime OWNER TO appliance_owner;
+
+--
+-- Name: tenant_running; Type: VIEW; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE VIEW appliance.tenant_running AS
+ SELECT r.tenant,
+    (r.claimed - x.released) AS running,
+    r.last_claimed_at
+   FROM (appliance.tenant_runtime r
+     JOIN appliance.tenant_released x ON ((x.tenant = r.tenant)));
+
+ALTER TABLE appliance.tenant_running OWNER TO appliance_owner;
 
 --
 -- Name: tenants; Type: TABLE; Schema: appliance; Owner: appliance_owner
@@ -1305,6 +1346,13 @@ ALTER TABLE ONLY appliance.spend_months
 
 ALTER TABLE ONLY appliance.stage_routes
     ADD CONSTRAINT stage_routes_pkey PRIMARY KEY (pipeline, stage, outcome);
+
+--
+-- Name: tenant_released tenant_released_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.tenant_released
+    ADD CONSTRAINT tenant_released_pkey PRIMARY KEY (tenant);
 
 --
 -- Name: tenant_runtime tenant_runtime_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -1516,6 +1564,13 @@ ALTER TABLE ONLY appliance.stage_routes
 
 ALTER TABLE ONLY appliance.stage_routes
     ADD CONSTRAINT stage_routes_pipeline_stage_fkey FOREIGN KEY (pipeline, stage) REFERENCES appliance.pipeline_stages(pipeline, stage) ON DELETE CASCADE;
+
+--
+-- Name: tenant_released tenant_released_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.tenant_released
+    ADD CONSTRAINT tenant_released_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name) ON DELETE CASCADE;
 
 --
 -- Name: tenant_runtime tenant_runtime_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -1847,11 +1902,25 @@ GRANT SELECT ON TABLE appliance.stage_routes TO appliance_app;
 GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE appliance.stage_routes TO appliance_system;
 
 --
+-- Name: TABLE tenant_released; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.tenant_released TO appliance_app;
+GRANT SELECT ON TABLE appliance.tenant_released TO appliance_system;
+
+--
 -- Name: TABLE tenant_runtime; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
 GRANT SELECT ON TABLE appliance.tenant_runtime TO appliance_app;
 GRANT SELECT,UPDATE ON TABLE appliance.tenant_runtime TO appliance_system;
+
+--
+-- Name: TABLE tenant_running; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.tenant_running TO appliance_app;
+GRANT SELECT ON TABLE appliance.tenant_running TO appliance_system;
 
 --
 -- Name: TABLE tenants; Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -12,11 +12,12 @@ WITH nondurable AS MATERIALIZED (
 eligible AS MATERIALIZED (
     -- A snapshot read: which tenants have claimable work and room. Nothing is locked here, so
     -- concurrent claimers of one tenant all proceed; the limit is enforced below.
-    SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - r.running AS room,
+    SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released) AS room,
            r.last_claimed_at
     FROM nondurable, tenant_runtime r
+    JOIN tenant_released x ON x.tenant = r.tenant
     JOIN tenants t ON t.name = r.tenant
-    WHERE r.running < coalesce(t.max_running, %(tenant_limit)s)
+    WHERE r.claimed - x.released < coalesce(t.max_running, %(tenant_limit)s)
       AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s::text)
       AND EXISTS (
           SELECT FROM agent_messages m
@@ -56,10 +57,13 @@ picked AS MATERIALIZED (
     LEFT JOIN pipeline_stages ps ON ps.pipeline = c.pipeline AND ps.stage = c.stage
 ),
 counters AS MATERIALIZED (
-    -- The serialisation point: lock the counters of the tenants picked, in tenant order (no
-    -- deadlocks), and read their running counts as of now (a lock waits for the latest).
-    SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - r.running AS room
+    -- The serialisation point: lock the claim counters of the tenants picked, in tenant order
+    -- (no deadlocks), and read them as of now (a lock waits for the latest). Leases ended are
+    -- read from this statement's snapshot, unlocked (migration 0008): one ended since then is
+    -- not counted yet, which can only make the room smaller, never exceed a limit.
+    SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released) AS room
     FROM tenant_runtime r
+    JOIN tenant_released x ON x.tenant = r.tenant
     JOIN tenants t ON t.name = r.tenant
     WHERE r.tenant IN (SELECT tenant FROM picked)
     ORDER BY r.tenant

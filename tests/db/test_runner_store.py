@@ -221,7 +221,7 @@ async def test_tenant_limit_is_never_exceeded_under_concurrent_claimers(
                     )
                 ).fetchone()
                 counter = await (
-                    await conn.execute("SELECT running FROM tenant_runtime WHERE tenant = 'acme'")
+                    await conn.execute("SELECT running FROM tenant_running WHERE tenant = 'acme'")
                 ).fetchone()
             assert row is not None and counter is not None
             assert row["n"] == counter["running"] <= 4
@@ -229,6 +229,50 @@ async def test_tenant_limit_is_never_exceeded_under_concurrent_claimers(
     finally:
         for d in dbs:
             await d.close()
+
+
+async def test_claims_and_acks_of_one_tenant_never_wait_for_each_other(
+    fresh_db: Endpoints, rstore: PgRunnerStore, db: Database
+) -> None:
+    # An acknowledgement not yet committed (as when its WAL flush is in progress) must not hold
+    # up a claim of its tenant, and is not counted as released until it commits: the limit
+    # holds exactly (migration 0008).
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, str(i)) for i in range(3)], now=T0)
+    (first,) = await claim(rstore, limit=1, tenant_limit=2)
+    other = Database(fresh_db, max_size=1)
+    await other.open()
+    try:
+        async with other.system_pool.connection() as ack_conn:
+            async with ack_conn.transaction():
+                cur = await ack_conn.execute(
+                    q("message_complete"),
+                    {
+                        "id": [first.id],
+                        "token": [first.lease.lease_token],
+                        "result": [None],
+                        "outcome": ["ok"],
+                        "now": T0,
+                        "actor": "w",
+                    },
+                )
+                assert [r["applied"] for r in await cur.fetchall()] == [True]
+                # A claim now does not wait for that transaction (it would wait until the
+                # commit below, and time out) and still counts the uncommitted one as
+                # running: one more fits under 2.
+                second = await asyncio.wait_for(claim(rstore, limit=3, tenant_limit=2), 10)
+                assert len(second) == 1
+        # Committed: released; the last message fits now, and nothing more.
+        third = await claim(rstore, limit=3, tenant_limit=2)
+        assert len(third) == 1
+        assert await claim(rstore, limit=3, tenant_limit=2) == []
+        async with db.system_conn() as conn:
+            row = await (
+                await conn.execute("SELECT running FROM tenant_running WHERE tenant = 'acme'")
+            ).fetchone()
+        assert row is not None and row["running"] == 2
+    finally:
+        await other.close()
 
 
 async def test_tenant_own_limit_overrides_default(rstore: PgRunnerStore, db: Database) -> None:

@@ -144,7 +144,8 @@ class EnvelopeMachine(RuleBasedStateMachine):
                 "TRUNCATE appliance.agent_messages, appliance.idempotency_keys,"
                 " appliance.message_transitions"
             )
-            conn.execute("UPDATE appliance.tenant_runtime SET running = 0, last_claimed_at = NULL")
+            conn.execute("UPDATE appliance.tenant_runtime SET claimed = 0, last_claimed_at = NULL")
+            conn.execute("UPDATE appliance.tenant_released SET released = 0")
         self.loop = asyncio.new_event_loop()
         self.db = Database(endpoints, min_size=1, max_size=2)
         try:
@@ -460,7 +461,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
             )
             rows = {r["id"]: r for r in await cur.fetchall()}
             cur = await conn.execute(
-                "SELECT running FROM tenant_runtime WHERE tenant = %s", (TENANT,)
+                "SELECT running FROM tenant_running WHERE tenant = %s", (TENANT,)
             )
             counter = await cur.fetchone()
             assert counter is not None
