@@ -322,6 +322,13 @@ class Runner:
             free = self.slots.free(lane)
             if free <= 0 or lane not in self._maybe:
                 continue
+            if self._acks and self._left_behind[lane]:
+                # This lane's last claim left work behind (a tenant at its limit, as a rule):
+                # the database still counts finished attempts whose acknowledgement has not
+                # committed, so acknowledge them first and this claim can fill the slots they
+                # held. A lane that left nothing behind claims at once: acknowledging first
+                # would only delay its pickup.
+                await self._flush_acks()
             asked = min(free, self.config.claim_batch)
             blocked, model_room = self._model_room()
             if model_room is not None:
@@ -838,6 +845,9 @@ class Runner:
     async def _ack_loop(self) -> None:
         while True:
             await self._ack_ready.wait()
+            # One turn of the event loop first: a handler that finished also woke the claim
+            # loop, which may take these acknowledgements with its claim (see _fill).
+            await asyncio.sleep(0)
             await self._flush_acks()
 
     async def _flush_acks(self) -> None:

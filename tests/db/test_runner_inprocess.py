@@ -20,6 +20,7 @@ from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.envelope import Lane, MessageStatus
 from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
+from appliance.domain.ports import LaneClaim
 
 seen: dict[str, Any] = {}
 
@@ -271,3 +272,50 @@ async def test_the_claim_path_reclaims_and_runs_stranded_work_without_a_doorbell
         async with serving(store, PIPES, config, None) as runner:
             await wait_status(bus, r.id, MessageStatus.DONE, timeout=5)
             assert runner.stats.polls == 0
+
+
+class _ClaimSizes(PgRunnerStore):
+    """The store, noting how many messages each claim returned."""
+
+    sizes: list[int]
+
+    async def claim_lane(self, **kw: Any) -> LaneClaim:
+        found = await super().claim_lane(**kw)
+        self.sizes.append(len(found.messages))
+        return found
+
+
+async def test_a_tenant_at_its_limit_is_claimed_for_in_full_batches(fresh_db: Endpoints) -> None:
+    """When a tenant's limit is what holds a claim back, the runner acknowledges finished work
+    before claiming again: the database counts an attempt until its acknowledgement commits,
+    and a claim sent beside the acknowledgements finds no room, or only what their race left."""
+    config = RunnerConfig(
+        worker_id="full",
+        concurrency=4,
+        reserved_interactive=1,
+        reserved_system=0,
+        tenant_limit=4,
+        poll_interval=timedelta(seconds=60),
+    )
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    try:
+        await PgTenantStore(db).add("acme")
+        store = _ClaimSizes(db)
+        store.sizes = []
+        await store.sync_pipelines(PIPES)
+        async with serving(store, PIPES, config, PgDoorbell(fresh_db.system)) as runner:
+            bus = Bus(store)
+            results = await bus.enqueue_many(
+                [bus.request(**request(bus, "quick", str(i))) for i in range(40)]
+            )
+            for r in results:
+                await wait_status(bus, r.id, MessageStatus.DONE)
+            assert runner.stats.completed == 40
+        # Empty claims may come before the work arrives and after it is done, none between.
+        sizes = store.sizes
+        first = next(i for i, n in enumerate(sizes) if n)
+        last = max(i for i, n in enumerate(sizes) if n)
+        assert sizes[first : last + 1] == [4] * 10, sizes
+    finally:
+        await db.close()
