@@ -959,6 +959,8 @@ async def explain_claim(side: BusSide, pending: int, limit: int = 7) -> Explaine
         "max_runtime": timedelta(minutes=10),  # the store's default for undeclared stages
         "blocked_tiers": [],
         "now": None,
+        "finished_ids": [],
+        "finished_tokens": [],
     }
     sql = "EXPLAIN (ANALYZE) " + q("message_claim_lane")
 

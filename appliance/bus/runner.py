@@ -191,6 +191,7 @@ class Runner:
         self.stats = RunnerStats()
         self._attempts: dict[int, _Attempt] = {}
         self._acks: list[tuple[_Attempt, Completion]] = []
+        self._acking: list[tuple[_Attempt, Completion]] = []  # the batch being acknowledged
         self._ack_ready = asyncio.Event()
         self._wake = asyncio.Event()
         # Lanes that may hold claimable work: set by the doorbell (its payload is the lane), by
@@ -322,13 +323,6 @@ class Runner:
             free = self.slots.free(lane)
             if free <= 0 or lane not in self._maybe:
                 continue
-            if self._acks and self._left_behind[lane]:
-                # This lane's last claim left work behind (a tenant at its limit, as a rule):
-                # the database still counts finished attempts whose acknowledgement has not
-                # committed, so acknowledge them first and this claim can fill the slots they
-                # held. A lane that left nothing behind claims at once: acknowledging first
-                # would only delay its pickup.
-                await self._flush_acks()
             asked = min(free, self.config.claim_batch)
             blocked, model_room = self._model_room()
             if model_room is not None:
@@ -344,6 +338,9 @@ class Runner:
                     tenant_limit=self.config.tenant_limit,
                     now=None,
                     blocked_tiers=blocked,
+                    # Handlers done, outcomes on their way: the database counts them as running
+                    # until their acknowledgement commits; they do not hold back this claim.
+                    finished=[c.lease for _, c in self._acks + self._acking],
                 )
             except Exception:
                 log.exception("claim failed; retrying on the next wake-up")
@@ -845,15 +842,13 @@ class Runner:
     async def _ack_loop(self) -> None:
         while True:
             await self._ack_ready.wait()
-            # One turn of the event loop first: a handler that finished also woke the claim
-            # loop, which may take these acknowledgements with its claim (see _fill).
-            await asyncio.sleep(0)
             await self._flush_acks()
 
     async def _flush_acks(self) -> None:
         self._ack_ready.clear()
         while self._acks:
             batch, self._acks = self._acks, []
+            self._acking = batch
             try:
                 outcomes = await self.store.complete(
                     [c for _, c in batch], actor=self.config.worker_id, now=None
@@ -863,6 +858,8 @@ class Runner:
                 self._acks = batch + self._acks
                 await asyncio.sleep(0.5)
                 continue
+            finally:
+                self._acking = []
             for (attempt, _), outcome in zip(batch, outcomes, strict=True):
                 if outcome is AckOutcome.APPLIED:
                     self.stats.completed += 1

@@ -274,9 +274,14 @@ class PgMessageStore:
         tenant: str | None = None,
         max_runtime: timedelta = DEFAULT_MAX_RUNTIME,
         blocked_tiers: Sequence[Tier] = (),
+        finished: Sequence[LeaseRef] = (),
     ) -> LaneClaim:
         """Lease up to `limit` messages of one lane, fairly across tenants; stages whose model
-        tier is in `blocked_tiers` (no room in the caller's pool) are left for later."""
+        tier is in `blocked_tiers` (no room in the caller's pool) are left for later.
+
+        `finished`: the caller's attempts whose handlers have returned but whose outcome is not
+        committed yet; they do not count against their tenants' limits.
+        """
         if limit <= 0:
             return LaneClaim([], left_behind=False)
         params = {
@@ -289,6 +294,8 @@ class PgMessageStore:
             "max_runtime": max_runtime,
             "blocked_tiers": [t.value for t in blocked_tiers],
             "now": now,
+            "finished_ids": [f.message_id for f in finished],
+            "finished_tokens": [f.lease_token for f in finished],
         }
         async with self.db.system_conn() as conn:
             rows = await (await conn.execute(q("message_claim_lane"), params)).fetchall()

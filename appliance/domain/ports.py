@@ -192,6 +192,7 @@ class RunnerStore(MessageStore, Protocol):
         tenant_limit: int,
         now: datetime | None,
         blocked_tiers: Sequence[Tier] = (),
+        finished: Sequence[LeaseRef] = (),
     ) -> LaneClaim: ...
 
     async def heartbeat_many(

@@ -1,7 +1,7 @@
 -- Named queries of the stage runner and its maintenance services.
 
 -- name: message_claim_lane :many
--- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit, checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
+-- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit (the caller's finished but unacknowledged attempts, `finished_ids`/`finished_tokens`, not counted), checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
 WITH nondurable AS MATERIALIZED (
     -- A claim is one round trip: its own implicit transaction, made non-durable here rather
     -- than by a SET LOCAL in a transaction block (which costs three more statements). A server
@@ -9,15 +9,28 @@ WITH nondurable AS MATERIALIZED (
     -- delivery tolerates. Read by `eligible`, so it runs whenever anything can be claimed.
     SELECT set_config('synchronous_commit', 'off', true) AS setting
 ),
+finished AS MATERIALIZED (
+    -- The caller's attempts whose handlers have returned but whose acknowledgement has not
+    -- committed (as of this statement's snapshot, like `released` below): still running in the
+    -- database, not running in fact, so not counted against their tenant's limit. Matched by
+    -- lease: a message since reclaimed and leased again is not the caller's any more.
+    SELECT f.tenant, count(*) AS n
+    FROM unnest(%(finished_ids)s::bigint[], %(finished_tokens)s::bigint[]) AS u(id, token)
+    JOIN agent_messages f ON f.id = u.id AND f.lease_token = u.token AND f.status = 'running'
+    GROUP BY f.tenant
+),
 eligible AS MATERIALIZED (
     -- A snapshot read: which tenants have claimable work and room. Nothing is locked here, so
     -- concurrent claimers of one tenant all proceed; the limit is enforced below.
-    SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released) AS room,
+    SELECT r.tenant,
+           coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released)
+               + coalesce(f.n, 0) AS room,
            r.last_claimed_at
     FROM nondurable, tenant_runtime r
     JOIN tenant_released x ON x.tenant = r.tenant
     JOIN tenants t ON t.name = r.tenant
-    WHERE r.claimed - x.released < coalesce(t.max_running, %(tenant_limit)s)
+    LEFT JOIN finished f ON f.tenant = r.tenant
+    WHERE r.claimed - x.released - coalesce(f.n, 0) < coalesce(t.max_running, %(tenant_limit)s)
       AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s::text)
       AND EXISTS (
           SELECT FROM agent_messages m
@@ -58,13 +71,18 @@ picked AS MATERIALIZED (
 ),
 counters AS MATERIALIZED (
     -- The serialisation point: lock the claim counters of the tenants picked, in tenant order
-    -- (no deadlocks), and read them as of now (a lock waits for the latest). Leases ended are
-    -- read from this statement's snapshot, unlocked (migration 0008): one ended since then is
-    -- not counted yet, which can only make the room smaller, never exceed a limit.
-    SELECT r.tenant, coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released) AS room
+    -- (no deadlocks), and read them as of now (a lock waits for the latest). Leases ended, and
+    -- the caller's finished attempts, are read from this statement's snapshot, unlocked
+    -- (migration 0008): both as of the same moment, so an attempt is discounted exactly when
+    -- its end is not yet counted; one ended since then is not counted yet, which can only make
+    -- the room smaller, never exceed a limit.
+    SELECT r.tenant,
+           coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released)
+               + coalesce(f.n, 0) AS room
     FROM tenant_runtime r
     JOIN tenant_released x ON x.tenant = r.tenant
     JOIN tenants t ON t.name = r.tenant
+    LEFT JOIN finished f ON f.tenant = r.tenant
     WHERE r.tenant IN (SELECT tenant FROM picked)
     ORDER BY r.tenant
     FOR UPDATE OF r

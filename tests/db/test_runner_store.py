@@ -19,7 +19,7 @@ from appliance.db.database import Database, Endpoints
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
-from appliance.domain.envelope import Lane, MessageStatus, idempotency_key
+from appliance.domain.envelope import Lane, LeaseRef, MessageStatus, idempotency_key
 from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
 from appliance.domain.ports import AckOutcome, Completion
 from appliance.domain.schedule import Schedule
@@ -275,6 +275,28 @@ async def test_claims_and_acks_of_one_tenant_never_wait_for_each_other(
         await other.close()
 
 
+async def test_a_callers_finished_attempts_do_not_count_against_the_limit(
+    rstore: PgRunnerStore,
+) -> None:
+    # Handlers done, acknowledgements not committed: the caller's own such attempts do not
+    # hold back its claim, exactly once (never again after their acknowledgement commits), and
+    # only under the lease the caller held.
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, str(i)) for i in range(5)], now=T0)
+    first, second = await claim(rstore, limit=2, tenant_limit=2)
+    assert await claim(rstore, limit=3, tenant_limit=2) == []
+    (third,) = await claim(rstore, limit=3, tenant_limit=2, finished=[first.lease])
+    # Running in the database: first (finished), second, third. A lease that is not the
+    # caller's (wrong token) is no discount.
+    forged = LeaseRef(second.id, second.lease.lease_token + 1000)
+    assert await claim(rstore, limit=3, tenant_limit=2, finished=[first.lease, forged]) == []
+    await rstore.complete([Completion(first.lease)], actor="w", now=T0)
+    # Its end is counted now: naming it again frees nothing more.
+    assert await claim(rstore, limit=3, tenant_limit=2, finished=[first.lease]) == []
+    await rstore.complete([Completion(second.lease), Completion(third.lease)], actor="w", now=T0)
+    assert len(await claim(rstore, limit=3, tenant_limit=2)) == 2
+
+
 async def test_tenant_own_limit_overrides_default(rstore: PgRunnerStore, db: Database) -> None:
     async with db.system_conn() as conn:
         await conn.execute("UPDATE tenants SET max_running = 1 WHERE name = 'acme'")
@@ -425,6 +447,8 @@ async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoi
             "max_runtime": timedelta(minutes=10),
             "blocked_tiers": [],
             "now": None,
+            "finished_ids": [],
+            "finished_tokens": [],
         }
         plans = []
         async with db.system_pool.connection() as aconn:
@@ -469,6 +493,8 @@ _CLAIM_PARAM_TYPES = {
     "max_runtime": "interval",
     "blocked_tiers": "text[]",
     "now": "timestamptz",
+    "finished_ids": "bigint[]",
+    "finished_tokens": "bigint[]",
 }
 
 
