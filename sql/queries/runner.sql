@@ -126,10 +126,8 @@ claimed AS (
         lease_token = nextval('agent_messages_lease_token_seq'),
         run_deadline = coalesce(%(now)s::timestamptz, now())
             + coalesce(allowed.max_runtime, %(max_runtime)s::interval),
-        lease_expires_at = least(
-            coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
-            coalesce(%(now)s::timestamptz, now())
-                + coalesce(allowed.max_runtime, %(max_runtime)s::interval)),
+        lease_expires_at = coalesce(%(now)s::timestamptz, now())
+            + least(%(lease)s::interval, coalesce(allowed.max_runtime, %(max_runtime)s::interval)),
         claimed_by = %(worker)s,
         claimed_at = coalesce(%(now)s::timestamptz, now()),
         updated_at = coalesce(%(now)s::timestamptz, now()),

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.db.queries import load, parse
+from appliance.db.queries import DRIVER_CACHED_QUERY_BYTES, load, parse
 from appliance.domain.envelope import (
     LEGAL_TRANSITIONS,
     TERMINAL,
@@ -123,14 +123,23 @@ def test_named_query_parser() -> None:
     assert queries["a_b"].sql == "SELECT 1" and queries["a_b"].kind == "one"
     # Sent compacted: whole-line comments and indentation go, the statement stays.
     assert queries["c"].doc == "Lists." and queries["c"].sql == "SELECT 2\nFROM x"
-    text = "-- name: d :one\n-- Indented.\n  SELECT 'a -- b'\n\n    -- gone\n  FROM y -- kept\n"
-    assert parse(text, "t.sql")["d"].sql == "SELECT 'a -- b'\nFROM y -- kept"
+    text = (
+        "-- name: d :one\n-- Indented.\n  SELECT 'a -- b', 'c' -- gone\n\n    -- gone\n"
+        "  FROM y -- gone, with an apostrophe's\n"
+    )
+    assert parse(text, "t.sql")["d"].sql == "SELECT 'a -- b', 'c'\nFROM y"
     with pytest.raises(ConfigurationError, match=r"query e: .*literal"):
         parse("-- name: e :one\n-- Spans.\nSELECT 'a\n  b'", "t.sql")
     with pytest.raises(ConfigurationError, match="description"):
         parse("-- name: x :one\nSELECT 1;", "t.sql")
     with pytest.raises(ConfigurationError, match="defined twice"):
         parse("-- name: x :one\n-- d\nSELECT 1;\n-- name: x :one\n-- d\nSELECT 2;", "t.sql")
+
+
+def test_every_shipped_query_is_short_enough_for_the_drivers_parse_cache() -> None:
+    # Longer texts are re-parsed on every execution (psycopg's MAX_CACHED_STATEMENT_LENGTH).
+    for query in load().values():
+        assert len(query.sql.encode()) <= DRIVER_CACHED_QUERY_BYTES, query.name
 
 
 def test_every_shipped_query_has_a_description_and_no_string_formatting() -> None:
