@@ -23,7 +23,14 @@ from typing import Any, cast
 from appliance.bus.governor import Admission, Governor
 from appliance.bus.slots import LaneSlots
 from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld
-from appliance.domain.envelope import EnqueueRequest, Lane, LeaseRef, Message, idempotency_key
+from appliance.domain.envelope import (
+    EnqueueRequest,
+    Lane,
+    LeaseRef,
+    Message,
+    idempotency_key,
+    result_problem,
+)
 from appliance.domain.inference import (
     TIER_ORDER,
     CallCancelled,
@@ -483,6 +490,15 @@ class Runner:
                     attempt,
                     f"handler {message.pipeline}.{message.stage} returned "
                     f"{type(result).__name__}, not a StageResult (use ctx.finish(...))",
+                )
+                return
+            problem = result_problem(result.result)
+            if problem is not None:
+                # Failed here, visibly: queued as an acknowledgement it would be refused by the
+                # database on every retry while its lease was kept alive.
+                await self._fail(
+                    attempt,
+                    f"handler {message.pipeline}.{message.stage} returned a result that {problem}",
                 )
                 return
             if attempt.context.spawned:

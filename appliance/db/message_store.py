@@ -8,7 +8,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb
 
 from appliance.db.database import Database
 from appliance.db.queries import q
@@ -153,6 +152,24 @@ def _enqueue_params(
         "scope": None,
         "requests": "[" + ",".join(_request_json(r) for r in requests) + "]",
     }
+
+
+def complete_params(
+    completions: Sequence[Completion], *, actor: str, now: datetime | None
+) -> dict[str, Any]:
+    """Parameters of `message_complete`: the completions as one JSON array."""
+    acks = ",".join(
+        f"[{c.lease.message_id},{c.lease.lease_token},{_json(c.result)},{_json(c.outcome)}]"
+        for c in completions
+    )
+    return {"acks": f"[{acks}]", "actor": actor, "now": now}
+
+
+def _json(value: object) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput("result", f"is not JSON-serialisable: {exc}") from None
 
 
 class PgMessageStore:
@@ -355,14 +372,7 @@ class PgMessageStore:
         """Record results (a batch, durable); each answer says whether that lease still held."""
         if not completions:
             return []
-        params = {
-            "id": [c.lease.message_id for c in completions],
-            "token": [c.lease.lease_token for c in completions],
-            "result": [Jsonb(c.result) for c in completions],
-            "outcome": [c.outcome for c in completions],
-            "actor": actor,
-            "now": now,
-        }
+        params = complete_params(completions, actor=actor, now=now)
         async with self.db.system_conn() as conn:
             rows = await (await conn.execute(q("message_complete"), params)).fetchall()
         by_id = {r["id"]: _ack(r["applied"], r["status"], r["same_lease"]) for r in rows}

@@ -131,6 +131,17 @@ def encode_context(context: JSONValue, max_bytes: int) -> str:
     return text
 
 
+def result_problem(result: JSONValue) -> str | None:
+    """What makes a stage's result unstorable as jsonb, or None when it can be stored."""
+    try:
+        text = json.dumps(result, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return f"is not JSON-serialisable: {exc}"
+    if "\\u0000" in text:
+        return "contains a NUL character (\\u0000), which jsonb cannot store"
+    return None
+
+
 def decode_context(text: str, max_bytes: int) -> JSONValue:
     """Context given as JSON text (CLI, API): parsed, or an error naming the field."""
     if len(text.encode()) > max_bytes:

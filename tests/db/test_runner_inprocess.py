@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -37,6 +37,10 @@ async def wrong(ctx: StageContext) -> StageResult:
     return "not a result"  # type: ignore[return-value]
 
 
+async def unstorable(ctx: StageContext) -> StageResult:
+    return ctx.finish({"at": datetime.now(UTC)})  # not JSON
+
+
 async def quick(ctx: StageContext) -> StageResult:
     return ctx.finish({"ok": True})
 
@@ -44,6 +48,7 @@ async def quick(ctx: StageContext) -> StageResult:
 PIPES = [
     Pipeline("patient", (Stage("run", patient),)),
     Pipeline("wrong", (Stage("run", wrong, max_attempts=1),)),
+    Pipeline("unstorable", (Stage("run", unstorable, max_attempts=1),)),
     Pipeline("quick", (Stage("run", quick),)),
 ]
 
@@ -146,6 +151,19 @@ async def test_handler_returning_the_wrong_type_fails_clearly(running) -> None:
     await wait_status(bus, r.id, MessageStatus.DEAD)
     got = await bus.get("acme", r.id)
     assert got is not None and "returned str, not a StageResult" in (got.error or "")
+
+
+async def test_a_result_that_is_not_json_fails_the_attempt_clearly(running) -> None:
+    # Not queued as an acknowledgement the database would refuse forever (its lease kept
+    # alive by heartbeats meanwhile): the attempt fails, naming the problem.
+    bus, _, runner = running
+    r = await bus.enqueue(**request(bus, "unstorable"))
+    await wait_status(bus, r.id, MessageStatus.DEAD)
+    got = await bus.get("acme", r.id)
+    assert got is not None and "returned a result that is not JSON-serialisable" in (
+        got.error or ""
+    )
+    assert runner.stats.failed == 1
 
 
 async def test_unknown_stage_fails_with_its_name(running) -> None:

@@ -16,6 +16,7 @@ from psycopg.rows import dict_row
 
 from appliance.bus.core import Bus, BusConfig
 from appliance.db.database import Database, Endpoints
+from appliance.db.message_store import complete_params
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
@@ -247,14 +248,7 @@ async def test_claims_and_acks_of_one_tenant_never_wait_for_each_other(
             async with ack_conn.transaction():
                 cur = await ack_conn.execute(
                     q("message_complete"),
-                    {
-                        "id": [first.id],
-                        "token": [first.lease.lease_token],
-                        "result": [None],
-                        "outcome": ["ok"],
-                        "now": T0,
-                        "actor": "w",
-                    },
+                    complete_params([Completion(first.lease)], actor="w", now=T0),
                 )
                 assert [r["applied"] for r in await cur.fetchall()] == [True]
                 # A claim now does not wait for that transaction (it would wait until the
