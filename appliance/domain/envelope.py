@@ -225,6 +225,15 @@ class EnqueueRequest:
         for name, agent in (("from_agent", from_agent), ("to_agent", to_agent)):
             if agent is not None and not (0 < len(agent) <= 200):
                 raise InvalidInput(name, "must be 1-200 characters")
+        for name, text in (
+            ("source_id", source_id),
+            ("directive", directive),
+            ("idempotency_key", key),
+            ("from_agent", from_agent),
+            ("to_agent", to_agent),
+        ):
+            if text is not None and "\x00" in text:
+                raise InvalidInput(name, "contains a NUL character, which PostgreSQL cannot store")
         for name, moment in (("not_before", not_before), ("deadline", deadline)):
             if moment is not None and moment.tzinfo is None:
                 raise InvalidInput(name, "must carry a time zone (ISO 8601 with offset)")

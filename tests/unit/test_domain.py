@@ -68,6 +68,8 @@ def test_lane_defaults_to_the_stage_and_unknown_lane_is_named() -> None:
         ({"context": {"x": "y" * 2048}, "context_max_bytes": 1024}, "context", "limit of 1024"),
         ({"context": float("nan")}, "context", "not JSON-serialisable"),
         ({"context": "\x00"}, "context", "NUL"),
+        ({"directive": "a\x00b"}, "directive", "NUL"),
+        ({"source_id": "1\x00"}, "source_id", "NUL"),
         ({"source_id": ""}, "source_id", "1-512"),
         ({"pipeline": "Has Spaces"}, "pipeline", "not a valid name"),
         ({"max_attempts": 0}, "max_attempts", "outside 1..100"),
