@@ -81,7 +81,14 @@ class Database:
 
     def __init__(self, endpoints: Endpoints, *, min_size: int = 1, max_size: int = 8) -> None:
         self.endpoints = endpoints
-        kwargs: dict[str, Any] = {"options": RUNTIME_OPTIONS, "row_factory": dict_row}
+        # Prepared at first use: the pools hand out their connections in turn, so with the
+        # driver's default (prepare after 5 uses on a connection) every connection of the pool
+        # planned the claim, the enqueue and the acknowledgement 5 times before reusing a plan.
+        kwargs: dict[str, Any] = {
+            "options": RUNTIME_OPTIONS,
+            "row_factory": dict_row,
+            "prepare_threshold": 0,
+        }
         self.app_pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
             endpoints.app,
             min_size=min_size,
