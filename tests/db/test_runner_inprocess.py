@@ -304,9 +304,9 @@ class _ClaimSizes(PgRunnerStore):
 
 
 async def test_a_tenant_at_its_limit_is_claimed_for_in_full_batches(fresh_db: Endpoints) -> None:
-    """When a tenant's limit is what holds a claim back, the runner acknowledges finished work
-    before claiming again: the database counts an attempt until its acknowledgement commits,
-    and a claim sent beside the acknowledgements finds no room, or only what their race left."""
+    """A tenant at its limit: the database counts an attempt until its acknowledgement
+    commits, but the runner's claims do not count its own finished attempts, so a claim sent
+    beside their acknowledgements fills every slot they held rather than finding no room."""
     config = RunnerConfig(
         worker_id="full",
         concurrency=4,
