@@ -209,6 +209,10 @@ class Runner:
         # clear the lane on the strength of its older snapshot.
         self._hints: dict[Lane, int] = {lane: 0 for lane in Lane}
         self._left_behind: dict[Lane, bool] = {lane: False for lane in Lane}
+        # The lane whose claim the fill loop awaits now, and the interactive claim started
+        # beside it (see _claim_interactive_beside).
+        self._claiming_lane: Lane | None = None
+        self._side_claim: asyncio.Task[None] | None = None
         self._stopping = False
         self._next_local_wake: float | None = None
         self._last_reclaim = 0.0
@@ -303,6 +307,8 @@ class Runner:
                     self.stats.wakeups_rung += 1
                     self._hint(*lanes)
                     self._wake.set()
+                    if Lane.INTERACTIVE in lanes:
+                        self._claim_interactive_beside()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the doorbell reconnects itself; never let it take the loop down
@@ -330,43 +336,86 @@ class Runner:
             free = self.slots.free(lane)
             if free <= 0 or lane not in self._maybe:
                 continue
-            asked = min(free, self.config.claim_batch)
-            blocked, model_room = self._model_room()
-            if model_room is not None:
-                # A claim may return model work of any open tier: never more than it can queue.
-                asked = max(1, min(asked, model_room))
-            hints = self._hints[lane]
+            if lane is Lane.INTERACTIVE and self._side_claim is not None:
+                continue  # claimed beside the last fill; it wakes this loop when it ends
+            self._claiming_lane = lane
             try:
-                found = await self.store.claim_lane(
-                    worker=self.config.worker_id,
-                    lane=lane,
-                    limit=asked,
-                    lease=self.config.lease,
-                    tenant_limit=self.config.tenant_limit,
-                    now=None,
-                    blocked_tiers=blocked,
-                    # Handlers done, outcomes on their way: the database counts them as running
-                    # until their acknowledgement commits; they do not hold back this claim.
-                    finished=[c.lease for _, c in self._acks + self._acking],
-                )
-            except Exception:
-                log.exception("claim failed; retrying on the next wake-up")
-                self._schedule_local_wake(1.0)
+                claimed = await self._claim_into(lane, free, polled)
+            finally:
+                self._claiming_lane = None
+            if claimed is None:
                 return total
-            messages = found.messages
-            if len(messages) < asked and self._hints[lane] == hints:
-                self._maybe.discard(lane)
-            self._left_behind[lane] = found.left_behind
-            for message in messages:
-                self._start(message)
-            total += len(messages)
-            if polled and self.doorbell is not None and self.doorbell.connected:
-                missed = [m for m in messages if m.attempts == 1 and m.not_before <= m.created_at]
-                if missed:
-                    self.stats.missed_wakeups += len(missed)
-                    self.stats.last_missed_wakeup_at = self.clock()
-        self.stats.claimed += total
+            total += claimed
         return total
+
+    def _claim_interactive_beside(self) -> None:
+        """An interactive ring while the fill loop awaits another lane's claim: claim for it
+        now, beside that claim, rather than after it (a batch claim in flight was most of
+        the interactive pickup's tail under a backlog). It claims into the slots reserved
+        for interactive work only, held for it while it runs: the claim in flight may fill
+        every shared slot."""
+        if (
+            self._stopping
+            or self._claiming_lane in (None, Lane.INTERACTIVE)
+            or self._side_claim is not None
+            or (free := self.slots.own_free(Lane.INTERACTIVE)) <= 0
+        ):
+            return
+        asked = min(free, self.config.claim_batch)
+        self.slots.take(Lane.INTERACTIVE, asked)
+
+        async def side() -> None:
+            try:
+                await self._claim_into(Lane.INTERACTIVE, asked, False, reserved=asked)
+            finally:
+                self._side_claim = None
+                self._wake.set()
+
+        self._side_claim = asyncio.get_running_loop().create_task(side(), name="claim-beside")
+
+    async def _claim_into(
+        self, lane: Lane, free: int, polled: bool, reserved: int = 0
+    ) -> int | None:
+        """One claim of `lane` into `free` slots (`reserved` of them held for it already);
+        how many messages it started, None when the claim failed."""
+        asked = min(free, self.config.claim_batch)
+        blocked, model_room = self._model_room()
+        if model_room is not None:
+            # A claim may return model work of any open tier: never more than it can queue.
+            asked = max(1, min(asked, model_room))
+        hints = self._hints[lane]
+        try:
+            found = await self.store.claim_lane(
+                worker=self.config.worker_id,
+                lane=lane,
+                limit=asked,
+                lease=self.config.lease,
+                tenant_limit=self.config.tenant_limit,
+                now=None,
+                blocked_tiers=blocked,
+                # Handlers done, outcomes on their way: the database counts them as running
+                # until their acknowledgement commits; they do not hold back this claim.
+                finished=[c.lease for _, c in self._acks + self._acking],
+            )
+        except Exception:
+            log.exception("claim failed; retrying on the next wake-up")
+            self._schedule_local_wake(1.0)
+            return None
+        finally:
+            self.slots.give(lane, reserved)  # each message claimed takes its slot below
+        messages = found.messages
+        if len(messages) < asked and self._hints[lane] == hints:
+            self._maybe.discard(lane)
+        self._left_behind[lane] = found.left_behind
+        for message in messages:
+            self._start(message)
+        self.stats.claimed += len(messages)
+        if polled and self.doorbell is not None and self.doorbell.connected:
+            missed = [m for m in messages if m.attempts == 1 and m.not_before <= m.created_at]
+            if missed:
+                self.stats.missed_wakeups += len(missed)
+                self.stats.last_missed_wakeup_at = self.clock()
+        return len(messages)
 
     async def _reclaim_on_claim_path(self) -> None:
         try:
@@ -942,6 +991,9 @@ class Runner:
     # -- shutdown -------------------------------------------------------------------------------
 
     async def _drain(self) -> None:
+        if self._side_claim is not None:
+            # A claim in flight starts what it returns; the drain then deals with that too.
+            await asyncio.wait([self._side_claim], timeout=10.0)
         tasks = [a.task for a in self._attempts.values() if a.task is not None]
         if tasks:
             log.info("draining %d running handlers", len(tasks))

@@ -52,6 +52,11 @@ class LaneSlots:
             return own + shared_free
         return shared_free
 
+    def own_free(self, lane: Lane) -> int:
+        """How many of the slots reserved for `lane` are free (shared ones not counted)."""
+        reserved = {Lane.INTERACTIVE: self.reserved_interactive, Lane.SYSTEM: self.reserved_system}
+        return max(0, reserved.get(lane, 0) - self.running[lane])
+
     def take(self, lane: Lane, n: int = 1) -> None:
         if n > self.free(lane):
             raise RuntimeError(f"no free {lane.value} slot")  # a runner bug, never input

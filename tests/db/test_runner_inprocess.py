@@ -324,6 +324,7 @@ async def test_a_tenant_at_its_limit_is_claimed_for_in_full_batches(fresh_db: En
         await store.sync_pipelines(PIPES)
         async with serving(store, PIPES, config, PgDoorbell(fresh_db.system)) as runner:
             bus = Bus(store)
+            await asyncio.sleep(0.3)  # the start-up claims of every lane are over
             results = await bus.enqueue_many(
                 [bus.request(**request(bus, "quick", str(i))) for i in range(40)]
             )
@@ -335,5 +336,49 @@ async def test_a_tenant_at_its_limit_is_claimed_for_in_full_batches(fresh_db: En
         first = next(i for i, n in enumerate(sizes) if n)
         last = max(i for i, n in enumerate(sizes) if n)
         assert sizes[first : last + 1] == [4] * 10, sizes
+    finally:
+        await db.close()
+
+
+class _GatedBatchClaims(PgRunnerStore):
+    """The store, holding every batch-lane claim until `gate` opens."""
+
+    gate: asyncio.Event
+
+    async def claim_lane(self, **kw: Any) -> LaneClaim:
+        if kw["lane"] is Lane.BATCH:
+            await self.gate.wait()
+        return await super().claim_lane(**kw)
+
+
+async def test_an_interactive_ring_is_claimed_beside_a_batch_claim_in_flight(
+    fresh_db: Endpoints,
+) -> None:
+    """Interactive work that rings while the runner awaits a batch claim is claimed at once,
+    into the slots reserved for it, not after that claim returns."""
+    pipes = [
+        Pipeline("bulk", (Stage("run", quick, lane=Lane.BATCH),)),
+        Pipeline("quick", (Stage("run", quick),)),
+    ]
+    config = RunnerConfig(worker_id="beside", poll_interval=timedelta(seconds=60))
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    try:
+        await PgTenantStore(db).add("acme")
+        store = _GatedBatchClaims(db)
+        store.gate = asyncio.Event()
+        await store.sync_pipelines(pipes)
+        doorbell = PgDoorbell(fresh_db.system)
+        async with serving(store, pipes, config, doorbell, store.gate) as runner:
+            bus = Bus(store)
+            held = await bus.enqueue(**request(bus, "bulk", "held"))
+            await asyncio.sleep(0.3)  # the runner's first fill now waits in its batch claim
+            probe = await bus.enqueue(**request(bus, "quick", "probe"))
+            await wait_status(bus, probe.id, MessageStatus.DONE, timeout=5)
+            got = await bus.get("acme", held.id)
+            assert got is not None and got.status is MessageStatus.PENDING
+            store.gate.set()
+            await wait_status(bus, held.id, MessageStatus.DONE, timeout=5)
+            assert runner.stats.polls == 0
     finally:
         await db.close()

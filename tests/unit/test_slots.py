@@ -55,3 +55,13 @@ def test_invariants_hold_for_any_sequence(total: int, data: st.DataObject, ops) 
         # Batch never eats into what is reserved for the other lanes.
         assert slots.running[Lane.BATCH] <= total - ri - rs
         assert slots.free(Lane.INTERACTIVE) >= max(0, ri - slots.running[Lane.INTERACTIVE])
+
+
+def test_own_free_counts_only_a_lanes_reserved_slots() -> None:
+    slots = LaneSlots(total=8, reserved_interactive=2, reserved_system=1)
+    assert slots.own_free(Lane.INTERACTIVE) == 2 and slots.own_free(Lane.BATCH) == 0
+    slots.take(Lane.INTERACTIVE, 1)
+    assert slots.own_free(Lane.INTERACTIVE) == 1
+    slots.take(Lane.INTERACTIVE, 3)  # one reserved, two shared
+    assert slots.own_free(Lane.INTERACTIVE) == 0
+    assert slots.free(Lane.BATCH) == 3
