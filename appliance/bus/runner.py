@@ -28,9 +28,10 @@ from appliance.domain.envelope import (
     Lane,
     LeaseRef,
     Message,
+    encode_json,
     idempotency_key,
-    result_problem,
 )
+from appliance.domain.errors import InvalidInput
 from appliance.domain.inference import (
     TIER_ORDER,
     CallCancelled,
@@ -541,13 +542,15 @@ class Runner:
                     f"{type(result).__name__}, not a StageResult (use ctx.finish(...))",
                 )
                 return
-            problem = result_problem(result.result)
-            if problem is not None:
-                # Failed here, visibly: queued as an acknowledgement it would be refused by the
-                # database on every retry while its lease was kept alive.
+            try:
+                encode_json(result.result, "result")
+            except InvalidInput as exc:
+                # Failed here, visibly: queued as an acknowledgement it would be refused on
+                # every retry while its lease was kept alive.
                 await self._fail(
                     attempt,
-                    f"handler {message.pipeline}.{message.stage} returned a result that {problem}",
+                    f"handler {message.pipeline}.{message.stage} returned a result that "
+                    f"{exc.problem}",
                 )
                 return
             if attempt.context.spawned:

@@ -18,6 +18,7 @@ from appliance.domain.envelope import (
     LeaseRef,
     Message,
     MessageStatus,
+    encode_json,
 )
 from appliance.domain.errors import InvalidInput, UnknownTenant
 from appliance.domain.inference import Tier
@@ -159,17 +160,11 @@ def complete_params(
 ) -> dict[str, Any]:
     """Parameters of `message_complete`: the completions as one JSON array."""
     acks = ",".join(
-        f"[{c.lease.message_id},{c.lease.lease_token},{_json(c.result)},{_json(c.outcome)}]"
+        f"[{c.lease.message_id},{c.lease.lease_token},{encode_json(c.result, 'result')},"
+        f"{json.dumps(c.outcome)}]"
         for c in completions
     )
     return {"acks": f"[{acks}]", "actor": actor, "now": now}
-
-
-def _json(value: object) -> str:
-    try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput("result", f"is not JSON-serialisable: {exc}") from None
 
 
 class PgMessageStore:
@@ -220,9 +215,7 @@ class PgMessageStore:
         for params in statements:
             params["scope"] = scope
         try:
-            async with (
-                self.db.app_pool.connection() if scope else self.db.system_pool.connection()
-            ) as conn:
+            async with self.db.app_pool.connection() if scope else self.db.system_conn() as conn:
                 if len(statements) == 1:
                     # One autocommit statement: atomic, one round trip.
                     rows = await (await conn.execute(query, statements[0])).fetchall()

@@ -114,32 +114,27 @@ def parse_status(value: str | MessageStatus) -> MessageStatus:
         raise InvalidInput("status", f"unknown status {value!r} (one of: {allowed})") from None
 
 
-def encode_context(context: JSONValue, max_bytes: int) -> str:
-    """The context as compact JSON text, refusing what is not JSON or is over the size limit."""
+def encode_json(value: JSONValue, field_name: str) -> str:
+    """Compact JSON text that jsonb can store, or an error naming the field."""
     try:
-        text = json.dumps(context, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise InvalidInput("context", f"is not JSON-serialisable: {exc}") from None
+        raise InvalidInput(field_name, f"is not JSON-serialisable: {exc}") from None
     if "\\u0000" in text:
         # PostgreSQL jsonb cannot hold NUL characters; say so here rather than fail at insert.
         raise InvalidInput(
-            "context", "contains a NUL character (\\u0000), which jsonb cannot store"
+            field_name, "contains a NUL character (\\u0000), which jsonb cannot store"
         )
+    return text
+
+
+def encode_context(context: JSONValue, max_bytes: int) -> str:
+    """The context as compact JSON text, refusing what is not JSON or is over the size limit."""
+    text = encode_json(context, "context")
     size = len(text.encode())
     if size > max_bytes:
         raise InvalidInput("context", f"is {size} bytes, over the limit of {max_bytes} bytes")
     return text
-
-
-def result_problem(result: JSONValue) -> str | None:
-    """What makes a stage's result unstorable as jsonb, or None when it can be stored."""
-    try:
-        text = json.dumps(result, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        return f"is not JSON-serialisable: {exc}"
-    if "\\u0000" in text:
-        return "contains a NUL character (\\u0000), which jsonb cannot store"
-    return None
 
 
 def decode_context(text: str, max_bytes: int) -> JSONValue:
