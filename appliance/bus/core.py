@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from appliance.bus.group_commit import EnqueueGroupCommit
 from appliance.domain.envelope import (
     DEFAULT_CONTEXT_MAX_BYTES,
     EnqueueRequest,
@@ -46,6 +47,10 @@ class BusConfig:
     idempotency_retention: timedelta = timedelta(days=90)
     max_queue_age: Mapping[Lane, timedelta | None] = field(default_factory=dict)
     maintenance_batch: int = 500
+    # Group commit of concurrent single enqueues (appliance/bus/group_commit.py): requests per
+    # shared statement, and statements in flight per tenant.
+    enqueue_group_max: int = 1000
+    enqueue_group_inflight: int = 2
 
 
 class Bus:
@@ -57,6 +62,11 @@ class Bus:
         self.store = store
         self.config = config or BusConfig()
         self._rng = rng or random.Random()
+        self._group = EnqueueGroupCommit(
+            self._send,
+            max_batch=self.config.enqueue_group_max,
+            max_inflight=self.config.enqueue_group_inflight,
+        )
 
     def request(self, **fields: Any) -> EnqueueRequest:
         """Build and validate a request with this bus's defaults (max attempts, context limit)."""
@@ -64,26 +74,27 @@ class Bus:
         return EnqueueRequest.build(**fields)
 
     async def enqueue(self, *, now: datetime | None = None, **fields: Any) -> EnqueueResult:
-        """Enqueue one message (validated first); a duplicate key returns the existing id."""
-        request = self.request(now=now, **fields)
-        (result,) = await self.store.enqueue(
-            [request],
-            retention=self.config.idempotency_retention,
-            default_max_attempts=self.config.max_attempts,
-            now=now,
-        )
-        return result
+        """Enqueue one message (validated first); a duplicate key returns the existing id.
 
-    async def enqueue_many(
-        self, requests: Sequence[EnqueueRequest], *, now: datetime | None = None
+        Durable when it returns. Concurrent calls share statements (group commit).
+        """
+        return await self._group.enqueue(self.request(now=now, **fields), now)
+
+    async def _send(
+        self, requests: Sequence[EnqueueRequest], now: datetime | None
     ) -> list[EnqueueResult]:
-        """Enqueue a validated batch atomically (all rows or none)."""
         return await self.store.enqueue(
             requests,
             retention=self.config.idempotency_retention,
             default_max_attempts=self.config.max_attempts,
             now=now,
         )
+
+    async def enqueue_many(
+        self, requests: Sequence[EnqueueRequest], *, now: datetime | None = None
+    ) -> list[EnqueueResult]:
+        """Enqueue a validated batch atomically (all rows or none)."""
+        return await self._send(requests, now)
 
     async def claim(
         self,
