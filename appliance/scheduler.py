@@ -1,5 +1,6 @@
 """APScheduler (asyncio) wiring of the periodic services: reclaim, expire, archive, listener
-health, and declared schedules. Every job is safe when several runners run it at once."""
+health, planner statistics, and declared schedules. Every job is safe when several runners run
+it at once."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ class Maintenance:
         archive_batch: int = 1000,
         spend: PgSpendStore | None = None,
         month_check_every: timedelta = timedelta(seconds=30),
+        stats_every: timedelta = timedelta(seconds=2),
     ) -> None:
         self.bus = bus
         self.spend = spend
@@ -105,6 +107,9 @@ class Maintenance:
             self.archive, IntervalTrigger(seconds=archive_every.total_seconds()), **every
         )
         self.scheduler.add_job(self.listener_health, IntervalTrigger(seconds=10), **every)
+        self.scheduler.add_job(
+            self.planner_stats, IntervalTrigger(seconds=stats_every.total_seconds()), **every
+        )
         if spend is not None:
             self.scheduler.add_job(
                 self.month_rollover,
@@ -116,6 +121,7 @@ class Maintenance:
         self.reclaimed = 0
         self.expired = 0
         self.archived = 0
+        self.analyzed = 0
 
     def start(self) -> None:
         self.scheduler.start()
@@ -175,6 +181,16 @@ class Maintenance:
                     break
         except Exception:
             log.exception("archive failed")
+
+    async def planner_stats(self) -> None:
+        """Keep the envelope's statistics in step with bursts (autovacuum may take minutes):
+        the runtime connections' kept plans are remade once they no longer fit the table."""
+        try:
+            if await self.store.refresh_planner_stats():
+                self.analyzed += 1
+                log.info("the envelope outgrew its planner statistics: analyzed")
+        except Exception:
+            log.exception("refreshing planner statistics failed")
 
     async def listener_health(self) -> None:
         if self.doorbell is not None and not self.doorbell.connected:

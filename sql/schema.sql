@@ -283,6 +283,16 @@ $$;
 ALTER FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) OWNER TO appliance_owner;
 
 --
+-- Name: clock(timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.clock(p_now timestamp with time zone) RETURNS timestamp with time zone
+    LANGUAGE sql STABLE PARALLEL SAFE
+    AS $$ SELECT coalesce(p_now, now()) $$;
+
+ALTER FUNCTION appliance.clock(p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
 -- Name: current_tenant(); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -382,6 +392,31 @@ CREATE FUNCTION appliance.idempotency_key(source text, source_id text, stage tex
 $$;
 
 ALTER FUNCTION appliance.idempotency_key(source text, source_id text, stage text) OWNER TO appliance_owner;
+
+--
+-- Name: refresh_planner_stats(bigint, double precision); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth double precision) RETURNS boolean
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    counted bigint;
+    pages bigint;
+BEGIN
+    SELECT c.relpages INTO counted FROM pg_class c WHERE c.oid = 'agent_messages'::regclass;
+    pages := pg_relation_size('agent_messages') / current_setting('block_size')::bigint;
+    IF pages < greatest(p_min_pages, p_growth * counted)
+       OR NOT pg_try_advisory_xact_lock(hashtext('appliance:refresh_planner_stats')) THEN
+        RETURN false;
+    END IF;
+    ANALYZE agent_messages;
+    RETURN true;
+END
+$$;
+
+ALTER FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth double precision) OWNER TO appliance_owner;
 
 --
 -- Name: run_budget_adjust(text, text, text, jsonb); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
@@ -1720,6 +1755,13 @@ REVOKE ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time z
 GRANT ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) TO appliance_system;
 
 --
+-- Name: FUNCTION clock(p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.clock(p_now timestamp with time zone) TO appliance_app;
+GRANT ALL ON FUNCTION appliance.clock(p_now timestamp with time zone) TO appliance_system;
+
+--
 -- Name: FUNCTION current_tenant(); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1732,6 +1774,13 @@ GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_system;
 
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_app;
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_system;
+
+--
+-- Name: FUNCTION refresh_planner_stats(p_min_pages bigint, p_growth double precision); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth double precision) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth double precision) TO appliance_system;
 
 --
 -- Name: FUNCTION run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb); Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -14,9 +14,14 @@ finished AS MATERIALIZED (
     -- committed (as of this statement's snapshot, like `released` below): still running in the
     -- database, not running in fact, so not counted against their tenant's limit. Matched by
     -- lease: a message since reclaimed and leased again is not the caller's any more.
+    -- One primary-key probe per attempt, whatever the statistics: the LIMIT keeps the other
+    -- conditions out of the probe, so no index of running messages can be scanned instead.
     SELECT f.tenant, count(*) AS n
     FROM unnest(%(finished_ids)s::bigint[], %(finished_tokens)s::bigint[]) AS u(id, token)
-    JOIN agent_messages f ON f.id = u.id AND f.lease_token = u.token AND f.status = 'running'
+    CROSS JOIN LATERAL (
+        SELECT f.tenant, f.lease_token, f.status FROM agent_messages f WHERE f.id = u.id LIMIT 1
+    ) AS f
+    WHERE f.lease_token = u.token AND f.status = 'running'
     GROUP BY f.tenant
 ),
 eligible AS MATERIALIZED (
@@ -32,10 +37,15 @@ eligible AS MATERIALIZED (
     LEFT JOIN finished f ON f.tenant = r.tenant
     WHERE r.claimed - x.released - coalesce(f.n, 0) < coalesce(t.max_running, %(tenant_limit)s)
       AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s::text)
+      -- One probe per tenant, whatever the statistics were when the generic plan was built
+      -- (an empty table, on a fresh box): OFFSET 0 keeps this a correlated subplan, never a
+      -- semi-join that reads (and groups) the lane's whole backlog, and the pending index's
+      -- order makes that index the one probed (another lane index would filter by tenant).
       AND EXISTS (
           SELECT FROM agent_messages m
           WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = r.tenant
-            AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+            AND m.not_before <= clock(%(now)s)
+          ORDER BY m.priority DESC, m.not_before, m.id LIMIT 1 OFFSET 0
       )
     ORDER BY r.last_claimed_at NULLS FIRST, r.tenant
     LIMIT %(limit)s
@@ -55,8 +65,8 @@ picked AS MATERIALIZED (
             SELECT m.id, m.tenant, m.pipeline, m.stage, m.priority, m.not_before
             FROM agent_messages m
             WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = s.tenant
-              AND m.not_before <= coalesce(%(now)s::timestamptz, now())
-              AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
+              AND m.not_before <= clock(%(now)s)
+              AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
               -- Backpressure: stages whose model tier has no room in this runner's pool wait.
               AND (cardinality(%(blocked_tiers)s::text[]) = 0 OR NOT EXISTS (
                   SELECT FROM pipeline_stages b
@@ -104,12 +114,12 @@ backlog AS (
     FROM (
         SELECT FROM agent_messages m
         WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
-          AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+          AND m.not_before <= clock(%(now)s)
           -- What `picked` could take: not work for another tenant, late work (the expirer's)
           -- or work of a blocked tier (a runner without a pool would otherwise ask again
           -- after every message, in vain).
           AND (%(tenant)s::text IS NULL OR m.tenant = %(tenant)s::text)
-          AND (m.deadline IS NULL OR m.deadline > coalesce(%(now)s::timestamptz, now()))
+          AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
           AND (cardinality(%(blocked_tiers)s::text[]) = 0 OR NOT EXISTS (
               SELECT FROM pipeline_stages b
               WHERE b.pipeline = m.pipeline AND b.stage = m.stage
@@ -124,13 +134,13 @@ claimed AS (
     SET status = 'running',
         attempts = m.attempts + 1,
         lease_token = nextval('agent_messages_lease_token_seq'),
-        run_deadline = coalesce(%(now)s::timestamptz, now())
+        run_deadline = clock(%(now)s)
             + coalesce(allowed.max_runtime, %(max_runtime)s::interval),
-        lease_expires_at = coalesce(%(now)s::timestamptz, now())
+        lease_expires_at = clock(%(now)s)
             + least(%(lease)s::interval, coalesce(allowed.max_runtime, %(max_runtime)s::interval)),
         claimed_by = %(worker)s,
-        claimed_at = coalesce(%(now)s::timestamptz, now()),
-        updated_at = coalesce(%(now)s::timestamptz, now()),
+        claimed_at = clock(%(now)s),
+        updated_at = clock(%(now)s),
         outcome = NULL,
         status_reason = 'claimed',
         status_actor = %(worker)s
@@ -370,3 +380,7 @@ SET status = 'pending',
     status_actor = %(actor)s
 WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
 RETURNING m.id;
+
+-- name: planner_stats_refresh :one
+-- Re-analyze the envelope when its heap reached `growth` times its size at the last ANALYZE (at least `min_pages`), so that kept plans are remade on current figures (migration 0009); true when it did.
+SELECT refresh_planner_stats(%(min_pages)s, %(growth)s) AS analyzed;

@@ -4,6 +4,7 @@ schedules and the claim's cost with a large history. Time is injected, nothing s
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -444,38 +445,189 @@ async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoi
             "finished_ids": [],
             "finished_tokens": [],
         }
-        plans = []
-        async with db.system_pool.connection() as aconn:
-            # The plan for these values, and the generic plan that runtime connections run
-            # (plan_cache_mode=force_generic_plan): EXPLAIN of a prepared statement.
-            setting = await (await aconn.execute("SHOW plan_cache_mode")).fetchone()
-            assert setting is not None and setting["plan_cache_mode"] == "force_generic_plan"
-            names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", q("message_claim_lane"))))
-            numbered = re.sub(
-                r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", q("message_claim_lane")
-            )
-            args = ", ".join(f"%({n})s::{_CLAIM_PARAM_TYPES[n]}" for n in names)
-            types = ", ".join(_CLAIM_PARAM_TYPES[n] for n in names)
-            for explain in (
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + q("message_claim_lane"),
-                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_generic({args})",
-            ):
-                if "claim_generic" in explain:
-                    # Here: the driver deallocates every prepared statement after a rollback.
-                    await aconn.execute(f"PREPARE claim_generic ({types}) AS {numbered}")
-                async with aconn.transaction(force_rollback=True):
-                    # Values inlined client-side: EXECUTE's arguments inside EXPLAIN cannot
-                    # take protocol parameters whose type the server must infer.
-                    cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
-                    await cur.execute(explain, params)
-                    row = await cur.fetchone()
-                    assert row is not None
-                    plans.append(row["QUERY PLAN"][0])
+        plans = await _claim_plans(db, params)
     finally:
         await db.close()
     assert len(plans) == 2
     for plan in plans:
-        _check_bounded_claim_plan(plan)
+        _check_bounded_plan(plan)
+
+
+async def test_claim_plan_built_on_an_empty_table_stays_bounded(fresh_db: Endpoints) -> None:
+    # A runner that starts on a fresh install builds its generic plans on empty tables, and
+    # keeps them until the statistics change (autovacuum's ANALYZE, which a burst may outrun).
+    # Those plans must still read a bounded number of rows once thousands wait and run.
+    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
+        conn.execute("ALTER TABLE appliance.agent_messages SET (autovacuum_enabled = off)")
+    db = Database(fresh_db, max_size=2)
+    await db.open()
+    try:
+        # globex has no work: its probe must not read acme's backlog either.
+        await PgTenantStore(db).add("acme")
+        await PgTenantStore(db).add("globex")
+        rstore = PgRunnerStore(db)
+        bus = Bus(rstore)
+        params: dict[str, Any] = {
+            "worker": "w",
+            "lane": "interactive",
+            "limit": 10,
+            "lease": LEASE,
+            "tenant_limit": 100_000,
+            "tenant": None,
+            "max_runtime": timedelta(minutes=10),
+            "blocked_tiers": [],
+            "now": None,
+            "finished_ids": [],
+            "finished_tokens": [],
+        }
+
+        async def burst() -> None:
+            for start in range(0, 4000, 1000):
+                await bus.enqueue_many([req(bus, f"b{i}") for i in range(start, start + 1000)])
+            running: list[LeaseRef] = []
+            for _ in range(30):
+                claim = await rstore.claim_lane(
+                    worker="w", lane=Lane.INTERACTIVE, limit=10, lease=LEASE, tenant_limit=10**5
+                )
+                running.extend(m.lease for m in claim.messages)
+            assert len(running) == 300
+            params["finished_ids"] = [lease.message_id for lease in running[:20]]
+            params["finished_tokens"] = [lease.lease_token for lease in running[:20]]
+
+        plans = await _claim_plans(db, params, before_data=burst)
+    finally:
+        await db.close()
+    assert len(plans) == 2
+    for plan in plans:
+        _check_bounded_plan(plan)
+
+
+def _positional(statement: str) -> tuple[str, list[str]]:
+    """A named statement with $1, $2, ... for its %(name)s parameters (for PREPARE), and the
+    parameter names in that order."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    return re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement), names
+
+
+_ACK_PARAM_TYPES = {
+    "acks": "jsonb",
+    "actor": "text",
+    "now": "timestamptz",
+    "id": "bigint[]",
+    "token": "bigint[]",
+    "extend": "interval",
+}
+
+
+async def test_kept_plans_are_remade_when_the_envelope_outgrows_its_statistics(
+    fresh_db: Endpoints,
+) -> None:
+    # Acknowledgements and heartbeats planned on an empty table (a runner started on a fresh
+    # box) would read every running message, or the whole table, once a burst arrived, until
+    # autovacuum's ANALYZE (a minute or more). The maintenance job re-analyzes as soon as the
+    # heap has doubled, which makes every session replan: then they read what they touch.
+    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
+        conn.execute("ALTER TABLE appliance.agent_messages SET (autovacuum_enabled = off)")
+    db = Database(fresh_db, max_size=2)
+    await db.open()
+    try:
+        await PgTenantStore(db).add("acme")
+        rstore = PgRunnerStore(db)
+        bus = Bus(rstore)
+        statements = ("message_complete", "message_heartbeat_many")
+        async with db.system_pool.connection() as aconn:
+            cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
+            calls = {}
+            for name in statements:
+                numbered, names = _positional(q(name))
+                types = ", ".join(_ACK_PARAM_TYPES[n] for n in names)
+                await aconn.execute(f"PREPARE {name} ({types}) AS {numbered}")
+                calls[name] = (
+                    "(" + ", ".join(f"%({n})s::{_ACK_PARAM_TYPES[n]}" for n in names) + ")"
+                )
+            empty: dict[str, Any] = {
+                "acks": "[]",
+                "actor": "w",
+                "now": None,
+                "id": [],
+                "token": [],
+                "extend": LEASE,
+            }
+            for name in statements:  # the generic plans, made on the empty table
+                await cur.execute(f"EXECUTE {name}{calls[name]}", empty)
+
+            # A backlog, and as many leases running as a few runners hold.
+            for start in range(0, 4000, 1000):
+                await bus.enqueue_many([req(bus, f"b{i}") for i in range(start, start + 1000)])
+            running: list[LeaseRef] = []
+            for _ in range(4):
+                claim = await rstore.claim_lane(
+                    worker="w", lane=Lane.INTERACTIVE, limit=10, lease=LEASE, tenant_limit=10**5
+                )
+                running.extend(m.lease for m in claim.messages)
+            assert await rstore.refresh_planner_stats()
+            assert not await rstore.refresh_planner_stats()  # no growth since: nothing to do
+
+            plans = []
+            # Autocommit (a rollback would make the driver deallocate the prepared statements):
+            # twenty acknowledgements land, and twenty other leases are heartbeated.
+            for name, leases in zip(statements, (running[:20], running[20:40]), strict=True):
+                values = {
+                    "acks": json.dumps([[x.message_id, x.lease_token, None, None] for x in leases]),
+                    "actor": "w",
+                    "now": None,
+                    "id": [x.message_id for x in leases],
+                    "token": [x.lease_token for x in leases],
+                    "extend": LEASE,
+                }
+                await cur.execute(
+                    f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {name}{calls[name]}", values
+                )
+                row = await cur.fetchone()
+                assert row is not None
+                plans.append(row["QUERY PLAN"][0])
+    finally:
+        await db.close()
+    for plan in plans:
+        _check_bounded_plan(plan)
+
+
+async def _claim_plans(
+    db: Database, params: dict[str, Any], *, before_data: Any = None
+) -> list[dict[str, Any]]:
+    """EXPLAIN ANALYZE of the claim: the generic plan that runtime connections run
+    (plan_cache_mode=force_generic_plan, as a prepared statement), and the plan for these values.
+
+    `before_data`: when given, the generic plan is built first (an EXECUTE on the data as it
+    is), then this coroutine function is awaited, then the plans are taken: a generic plan kept
+    from a time the data looked different.
+    """
+    plans = []
+    async with db.system_pool.connection() as aconn:
+        setting = await (await aconn.execute("SHOW plan_cache_mode")).fetchone()
+        assert setting is not None and setting["plan_cache_mode"] == "force_generic_plan"
+        numbered, names = _positional(q("message_claim_lane"))
+        args = ", ".join(f"%({n})s::{_CLAIM_PARAM_TYPES[n]}" for n in names)
+        types = ", ".join(_CLAIM_PARAM_TYPES[n] for n in names)
+        # Values inlined client-side: EXECUTE's arguments cannot take protocol parameters
+        # whose type the server must infer.
+        cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
+        await aconn.execute(f"PREPARE claim_generic ({types}) AS {numbered}")
+        if before_data is not None:
+            await cur.execute(f"EXECUTE claim_generic({args})", params)
+            await before_data()
+        # The generic plan first: the driver deallocates every prepared statement after a
+        # rollback.
+        for explain in (
+            f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_generic({args})",
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + q("message_claim_lane"),
+        ):
+            async with aconn.transaction(force_rollback=True):
+                await cur.execute(explain, params)
+                row = await cur.fetchone()
+                assert row is not None
+                plans.append(row["QUERY PLAN"][0])
+    return plans
 
 
 _CLAIM_PARAM_TYPES = {
@@ -493,7 +645,7 @@ _CLAIM_PARAM_TYPES = {
 }
 
 
-def _check_bounded_claim_plan(plan: dict[str, Any]) -> None:
+def _check_bounded_plan(plan: dict[str, Any]) -> None:
     def nodes(node: dict[str, object]) -> list[dict[str, object]]:
         found = [node]
         for child in node.get("Plans", []):  # type: ignore[attr-defined]
@@ -506,9 +658,11 @@ def _check_bounded_claim_plan(plan: dict[str, Any]) -> None:
         for n in all_nodes
         if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "agent_messages"
     ]
-    assert seq == [], "the claim scanned the hot table sequentially"
+    assert seq == [], "the statement scanned the hot table sequentially"
+    # Rows returned and rows read then filtered out: both cost.
     hot_reads = sum(
-        int(n.get("Actual Rows", 0)) * int(n.get("Actual Loops", 1))  # type: ignore[call-overload]
+        (int(n.get("Actual Rows", 0)) + int(n.get("Rows Removed by Filter", 0)))  # type: ignore[call-overload]
+        * int(n.get("Actual Loops", 1))  # type: ignore[call-overload]
         for n in all_nodes
         if n.get("Relation Name") == "agent_messages"
     )
