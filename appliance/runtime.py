@@ -383,7 +383,7 @@ async def _serve(
         try:
             await runner.run(stop)
         finally:
-            maintenance.shutdown()
+            await maintenance.stop()
     finally:
         await db.close()
 

@@ -4,8 +4,10 @@ it at once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -97,37 +99,63 @@ class Maintenance:
         self.archive_batch = archive_batch
         self.scheduler = AsyncIOScheduler(timezone=UTC)
         every = {"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
-        self.scheduler.add_job(
-            self.reclaim, IntervalTrigger(seconds=reclaim_every.total_seconds()), **every
-        )
-        self.scheduler.add_job(
-            self.expire, IntervalTrigger(seconds=expire_every.total_seconds()), **every
-        )
-        self.scheduler.add_job(
-            self.archive, IntervalTrigger(seconds=archive_every.total_seconds()), **every
-        )
-        self.scheduler.add_job(self.listener_health, IntervalTrigger(seconds=10), **every)
-        self.scheduler.add_job(
-            self.planner_stats, IntervalTrigger(seconds=stats_every.total_seconds()), **every
-        )
+        # Jobs in flight, so that stop() can let them finish.
+        self._running = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        jobs: list[tuple[Callable[..., Awaitable[None]], Any]] = [
+            (self.reclaim, IntervalTrigger(seconds=reclaim_every.total_seconds())),
+            (self.expire, IntervalTrigger(seconds=expire_every.total_seconds())),
+            (self.archive, IntervalTrigger(seconds=archive_every.total_seconds())),
+            (self.listener_health, IntervalTrigger(seconds=10)),
+            (self.planner_stats, IntervalTrigger(seconds=stats_every.total_seconds())),
+        ]
         if spend is not None:
+            jobs.append(
+                (self.month_rollover, IntervalTrigger(seconds=month_check_every.total_seconds()))
+            )
+        for job, trigger in jobs:
+            self.scheduler.add_job(self._tracked(job), trigger, name=job.__name__, **every)
+        for schedule in self.schedules:
             self.scheduler.add_job(
-                self.month_rollover,
-                IntervalTrigger(seconds=month_check_every.total_seconds()),
+                self._tracked(self.fire),
+                schedule_trigger(schedule),
+                args=[schedule],
+                name=f"schedule {schedule.name}",
                 **every,
             )
-        for schedule in self.schedules:
-            self.scheduler.add_job(self.fire, schedule_trigger(schedule), args=[schedule], **every)
         self.reclaimed = 0
         self.expired = 0
         self.archived = 0
         self.analyzed = 0
 
+    def _tracked(self, job: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        async def run(*args: Any) -> None:
+            self._running += 1
+            self._idle.clear()
+            try:
+                await job(*args)
+            finally:
+                self._running -= 1
+                if not self._running:
+                    self._idle.set()
+
+        return run
+
     def start(self) -> None:
         self.scheduler.start()
 
     def shutdown(self) -> None:
+        """Stop at once: a job in flight is cancelled (and logged as failed by APScheduler)."""
         self.scheduler.shutdown(wait=False)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Start no more jobs, let those in flight finish (up to `timeout` seconds), then shut
+        down: what a graceful runner shutdown does, instead of cutting a statement short."""
+        self.scheduler.pause()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        self.shutdown()
 
     async def reclaim(self) -> None:
         try:

@@ -480,7 +480,7 @@ class BusSide:
             finally:
                 stop.set()
                 await task
-                maintenance.shutdown()
+                await maintenance.stop()
         finally:
             await db.close()
 

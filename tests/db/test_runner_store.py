@@ -25,7 +25,7 @@ from appliance.domain.envelope import Lane, LeaseRef, MessageStatus, idempotency
 from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
 from appliance.domain.ports import AckOutcome, Completion
 from appliance.domain.schedule import Schedule
-from appliance.scheduler import fire, latest_fire_time
+from appliance.scheduler import Maintenance, fire, latest_fire_time
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -700,3 +700,24 @@ async def test_schedule_fires_once_per_slot_even_from_two_runners(
         assert await fire(a, every, now + timedelta(minutes=4)) is True  # next slot
     finally:
         await other.close()
+
+
+async def test_maintenance_stop_lets_jobs_in_flight_finish(rstore: PgRunnerStore) -> None:
+    # A graceful shutdown lets a maintenance statement in flight (an ANALYZE, an archive batch)
+    # finish instead of cancelling it half way; new jobs no longer start.
+    maintenance = Maintenance(Bus(rstore), rstore, reclaim_every=timedelta(hours=1))
+    started, finished = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> None:
+        started.set()
+        async with rstore.db.system_conn() as conn:
+            await conn.execute("SELECT pg_sleep(0.3)")
+        finished.set()
+
+    maintenance.scheduler.add_job(maintenance._tracked(slow), "date")
+    maintenance.start()
+    await asyncio.wait_for(started.wait(), 5)
+    await maintenance.stop(timeout=5)
+    assert finished.is_set()
+    await asyncio.sleep(0)  # AsyncIOScheduler shuts down on the loop's next pass
+    assert not maintenance.scheduler.running
