@@ -153,9 +153,12 @@ class Maintenance:
         """Start no more jobs, let those in flight finish (up to `timeout` seconds), then shut
         down: what a graceful runner shutdown does, instead of cutting a statement short."""
         self.scheduler.pause()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        self.shutdown()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout)
+        finally:
+            self.shutdown()
+        await asyncio.sleep(0)  # AsyncIOScheduler shuts down on the loop's next pass
 
     async def reclaim(self) -> None:
         try:

@@ -405,13 +405,16 @@ DECLARE
     counted bigint;
     pages bigint;
 BEGIN
-    SELECT c.relpages INTO counted FROM pg_class c WHERE c.oid = 'agent_messages'::regclass;
-    pages := pg_relation_size('agent_messages') / current_setting('block_size')::bigint;
+    SELECT c.relpages INTO counted FROM pg_class c
+    WHERE c.oid = 'appliance.agent_messages'::regclass;
+    pages := pg_relation_size('appliance.agent_messages') / current_setting('block_size')::bigint;
     IF pages < greatest(p_min_pages, p_growth * counted)
        OR NOT pg_try_advisory_xact_lock(hashtext('appliance:refresh_planner_stats')) THEN
         RETURN false;
     END IF;
-    ANALYZE agent_messages;
+    -- SKIP_LOCKED: when autovacuum holds the table, it is refreshing the figures already (and
+    -- waiting would get it cancelled after deadlock_timeout).
+    ANALYZE (SKIP_LOCKED) appliance.agent_messages;
     RETURN true;
 END
 $$;

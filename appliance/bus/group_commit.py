@@ -9,11 +9,13 @@ adds no latency, a busy one fills its statements.
 
 What each caller sees is what it would see alone:
 - its call returns only once the statement holding its request has committed;
-- a key repeated among waiting callers is sent in a later statement, never twice in one, so the
-  repeat is answered `duplicate` by the database and counted as a dedup hit like any other;
-- when a shared statement fails, each of its requests is retried alone, so an error reaches only
-  the caller it belongs to (retrying is safe: the idempotency key makes it a no-op if the failed
-  statement did commit after all);
+- a key repeated among waiting callers is sent in a later statement, once the one holding it
+  has ended, never twice in one or in two at once: the repeat is answered `duplicate` by the
+  database and counted as a dedup hit like any other;
+- when the database refuses a shared statement's input, each of its requests is retried alone,
+  so the error reaches only the caller it belongs to (retrying is safe: the idempotency key makes
+  it a no-op if the failed statement did commit after all); an error that is not about the
+  input (the database unreachable) reaches every caller of the statement at once;
 - a caller cancelled before its request was sent is dropped from the queue; one cancelled after
   may still land, as a statement cancelled in flight may.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from appliance.domain.envelope import EnqueueRequest, EnqueueResult
+from appliance.domain.errors import InvalidInput, UnknownTenant
 
 Send = Callable[[Sequence[EnqueueRequest], datetime | None], Awaitable[list[EnqueueResult]]]
 GroupKey = tuple[str, datetime | None]
@@ -34,9 +37,11 @@ Waiter = tuple[EnqueueRequest, asyncio.Future[EnqueueResult]]
 
 @dataclass
 class _Group:
-    """Callers of one tenant and clock: waiting ones, and how many statements are in flight."""
+    """Callers of one tenant and clock: waiting ones, the keys of the statements in flight, and
+    how many statements are in flight."""
 
     waiting: list[Waiter] = field(default_factory=list)
+    sending: set[str] = field(default_factory=set)
     inflight: int = 0
 
 
@@ -62,10 +67,12 @@ class EnqueueGroupCommit:
         if group.inflight == 0 and not group.waiting:
             # Uncontended: sent from the caller's own task, with nothing added to its latency.
             group.inflight += 1
+            group.sending.add(request.idempotency_key)
             self.statements += 1
             try:
                 (result,) = await self._send([request], now)
             finally:
+                group.sending.discard(request.idempotency_key)
                 self._finished(key, group)
             return result
         future: asyncio.Future[EnqueueResult] = asyncio.get_running_loop().create_future()
@@ -90,19 +97,22 @@ class EnqueueGroupCommit:
                 del self._groups[key]
 
     def _take(self, group: _Group) -> list[Waiter]:
-        """The next statement's requests: in arrival order, each key at most once."""
+        """The next statement's requests: in arrival order, each key at most once, and none
+        whose key a statement in flight holds (that one's answer comes first)."""
         batch: list[Waiter] = []
         later: list[Waiter] = []
         keys: set[str] = set()
         for request, future in group.waiting:
             if future.done():  # cancelled while waiting: never sent
                 continue
-            if len(batch) >= self.max_batch or request.idempotency_key in keys:
+            k = request.idempotency_key
+            if len(batch) >= self.max_batch or k in keys or k in group.sending:
                 later.append((request, future))
                 continue
-            keys.add(request.idempotency_key)
+            keys.add(k)
             batch.append((request, future))
         group.waiting = later
+        group.sending |= keys
         return batch
 
     async def _flush(self, key: GroupKey, group: _Group) -> None:
@@ -116,10 +126,15 @@ class EnqueueGroupCommit:
                     return
                 try:
                     await self._run(batch, key[1])
-                except BaseException:
+                except asyncio.CancelledError:
                     for _, future in batch:
                         future.cancel()
                     raise
+                except Exception as exc:  # a bug here must reach the callers, not hang them
+                    for _, future in batch:
+                        _settle(future, exc)
+                finally:
+                    group.sending.difference_update(r.idempotency_key for r, _ in batch)
         finally:
             group.inflight -= 1
             if group.inflight == 0:
@@ -134,18 +149,29 @@ class EnqueueGroupCommit:
         self.statements += 1
         try:
             results = await self._send([request for request, _ in batch], now)
-        except Exception as exc:
-            if len(batch) == 1:
-                _settle(batch[0][1], exc)
+        except InvalidInput as exc:
+            if len(batch) == 1 or isinstance(exc, UnknownTenant):
+                # One tenant per group: an unknown tenant is every caller's error.
+                for _, future in batch:
+                    _settle(future, exc)
                 return
-            # Each request alone, so that the error reaches only its own caller.
+            # A request the database refused: each alone, so that the error reaches only its
+            # own caller (callers that gave up meanwhile are not sent again).
             for request, future in batch:
+                if future.done():
+                    continue
                 try:
                     (result,) = await self._send([request], now)
                 except Exception as single:  # handed to the caller it belongs to
                     _settle(future, single)
                 else:
                     _settle(future, result)
+            return
+        except Exception as exc:
+            # The database unreachable, the pool exhausted, ...: every caller's error at once
+            # (request by request, each would wait its own timeout).
+            for _, future in batch:
+                _settle(future, exc)
             return
         for (_, future), result in zip(batch, results, strict=True):
             _settle(future, result)

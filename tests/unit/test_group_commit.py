@@ -14,7 +14,7 @@ import pytest
 
 from appliance.bus.group_commit import EnqueueGroupCommit
 from appliance.domain.envelope import EnqueueRequest, EnqueueResult
-from appliance.domain.errors import InvalidInput
+from appliance.domain.errors import InvalidInput, UnknownTenant
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
@@ -36,13 +36,25 @@ class Recorder:
         self.gate.set()
         self.next_id = 0
         self.seen: set[tuple[str, str]] = set()
+        self.in_flight: list[str] = []
+        self.overlaps: list[str] = []  # keys sent while a statement holding them was in flight
+        self.fail_with: Exception | None = None
 
     async def send(
         self, requests: Sequence[EnqueueRequest], now: datetime | None
     ) -> list[EnqueueResult]:
         self.statements.append([r.source_id for r in requests])
         self.clocks.append(now)
-        await self.gate.wait()
+        keys = [r.idempotency_key for r in requests]
+        self.overlaps.extend(k for k in keys if k in self.in_flight)
+        self.in_flight.extend(keys)
+        try:
+            await self.gate.wait()
+        finally:
+            for k in keys:
+                self.in_flight.remove(k)
+        if self.fail_with is not None:
+            raise self.fail_with
         if any(r.source_id.startswith("bad") for r in requests):
             raise InvalidInput("source_id", "refused")
         results = []
@@ -161,3 +173,38 @@ async def test_a_caller_cancelled_while_waiting_is_never_sent() -> None:
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         EnqueueGroupCommit(Recorder().send, max_batch=0)
+
+
+async def test_a_repeated_key_never_goes_beside_the_statement_holding_it() -> None:
+    # With two statements allowed in flight, the repeat still waits for the first to end, so
+    # the database never sees one key in two concurrent statements.
+    rec = Recorder()
+    rec.gate.clear()
+    group = EnqueueGroupCommit(rec.send, max_inflight=2)
+    first = asyncio.create_task(group.enqueue(request("x"), None))
+    await asyncio.sleep(0)
+    rest = [asyncio.create_task(group.enqueue(request(sid), None)) for sid in ("a", "x", "b")]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert rec.statements == [["x"], ["a", "b"]]  # the second went beside the first, without x
+    rec.gate.set()
+    results = await asyncio.gather(first, *rest)
+    assert rec.statements[2:] == [["x"]]
+    assert rec.overlaps == []
+    assert [r.new for r in results] == [True, True, False, True]
+
+
+async def test_an_error_not_about_the_input_reaches_every_caller_at_once() -> None:
+    for error in (ConnectionError("database unreachable"), UnknownTenant("acme")):
+        rec = Recorder()
+        rec.gate.clear()
+        group = EnqueueGroupCommit(rec.send, max_inflight=1)
+        first = asyncio.create_task(group.enqueue(request("0"), None))
+        await asyncio.sleep(0)
+        rest = [asyncio.create_task(group.enqueue(request(str(i)), None)) for i in range(1, 6)]
+        await asyncio.sleep(0)
+        rec.fail_with = error
+        rec.gate.set()
+        outcomes = await asyncio.gather(first, *rest, return_exceptions=True)
+        assert all(o is error for o in outcomes)
+        assert len(rec.statements) == 2  # no request-by-request retries
