@@ -217,9 +217,10 @@ class Maintenance:
         """Keep the envelope's statistics in step with bursts (autovacuum may take minutes):
         the runtime connections' kept plans are remade once they no longer fit the table."""
         try:
-            if await self.store.refresh_planner_stats():
-                self.analyzed += 1
-                log.info("the envelope outgrew its planner statistics: analyzed")
+            tables = await self.store.refresh_planner_stats()
+            if tables:
+                self.analyzed += len(tables)
+                log.info("analyzed %s: grown past their planner statistics", ", ".join(tables))
         except Exception:
             log.exception("refreshing planner statistics failed")
 

@@ -397,25 +397,34 @@ ALTER FUNCTION appliance.idempotency_key(source text, source_id text, stage text
 -- Name: refresh_planner_stats(bigint, double precision); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth double precision) RETURNS boolean
+CREATE FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth double precision) RETURNS text[]
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'appliance', 'pg_catalog'
     AS $$
 DECLARE
-    counted bigint;
-    pages bigint;
+    t regclass;
+    analyzed text[] := '{}';
 BEGIN
-    SELECT c.relpages INTO counted FROM pg_class c
-    WHERE c.oid = 'appliance.agent_messages'::regclass;
-    pages := pg_relation_size('appliance.agent_messages') / current_setting('block_size')::bigint;
-    IF pages < greatest(p_min_pages, p_growth * counted)
-       OR NOT pg_try_advisory_xact_lock(hashtext('appliance:refresh_planner_stats')) THEN
-        RETURN false;
+    IF NOT pg_try_advisory_xact_lock(hashtext('appliance:refresh_planner_stats')) THEN
+        RETURN analyzed;
     END IF;
-    -- SKIP_LOCKED: when autovacuum holds the table, it is refreshing the figures already (and
-    -- waiting would get it cancelled after deadlock_timeout).
-    ANALYZE (SKIP_LOCKED) appliance.agent_messages;
-    RETURN true;
+    FOREACH t IN ARRAY ARRAY[
+        'appliance.agent_messages', 'appliance.message_transitions',
+        'appliance.idempotency_keys', 'appliance.spend_ledger', 'appliance.inference_calls'
+    ]::regclass[] LOOP
+        IF pg_relation_size(t) / current_setting('block_size')::bigint
+           >= greatest(p_min_pages, p_growth * (SELECT c.relpages FROM pg_class c WHERE c.oid = t))
+        THEN
+            -- SKIP_LOCKED: when autovacuum holds the table, it is refreshing the figures
+            -- already (and waiting would get it cancelled after deadlock_timeout). Qualified, so
+            -- no temporary table of the caller's session can stand in for it.
+            EXECUTE (SELECT format('ANALYZE (SKIP_LOCKED) %I.%I', n.nspname, c.relname)
+                     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                     WHERE c.oid = t);
+            analyzed := analyzed || t::text;
+        END IF;
+    END LOOP;
+    RETURN analyzed;
 END
 $$;
 

@@ -148,13 +148,14 @@ class PgRunnerStore(PgMessageStore):
             row = await (await conn.execute(q("message_archive"), params)).fetchone()
         return int(row["moved"]) if row else 0
 
-    async def refresh_planner_stats(self, *, min_pages: int = 32, growth: float = 2.0) -> bool:
-        """ANALYZE the envelope if its heap has outgrown its statistics (`growth` times the size
-        they were taken at, and at least `min_pages` of 8 KiB); True when it did."""
+    async def refresh_planner_stats(self, *, min_pages: int = 32, growth: float = 2.0) -> list[str]:
+        """ANALYZE the envelope (and the other tables read by key) where the heap has outgrown
+        its statistics: `growth` times the size they were taken at, and at least `min_pages` of
+        8 KiB. The tables analyzed."""
         params = {"min_pages": min_pages, "growth": growth}
         async with self.db.system_conn() as conn:
             row = await (await conn.execute(q("planner_stats_refresh"), params)).fetchone()
-        return bool(row and row["analyzed"])
+        return list(row["analyzed"]) if row else []
 
     # -- stage graphs ---------------------------------------------------------------------------
 

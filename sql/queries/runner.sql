@@ -382,5 +382,5 @@ WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
 RETURNING m.id;
 
 -- name: planner_stats_refresh :one
--- Re-analyze the envelope when its heap reached `growth` times its size at the last ANALYZE (at least `min_pages`), so that kept plans are remade on current figures (migration 0009); true when it did.
+-- Re-analyze each table the runtime reads by key whose heap reached `growth` times its size at its last ANALYZE (at least `min_pages`), so that kept plans are remade on current figures (migration 0009); the tables analyzed.
 SELECT refresh_planner_stats(%(min_pages)s, %(growth)s) AS analyzed;
