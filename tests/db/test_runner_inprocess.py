@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -382,3 +383,31 @@ async def test_an_interactive_ring_is_claimed_beside_a_batch_claim_in_flight(
             assert runner.stats.polls == 0
     finally:
         await db.close()
+
+
+async def test_acknowledgements_linger_only_under_a_backlog(fresh_db: Endpoints) -> None:
+    # Results wait (ack_linger) for those of a claim in flight, to share a statement. An idle
+    # runner has no backlog: its single result is acknowledged at once, not after the
+    # (here absurdly long) linger; and a drain still completes everything.
+    config = RunnerConfig(
+        worker_id="linger",
+        concurrency=4,
+        poll_interval=timedelta(seconds=5),
+        ack_linger=timedelta(seconds=30),
+    )
+    async with opened(fresh_db, PIPES) as store:
+        bus = Bus(store)
+        async with serving(store, PIPES, config, PgDoorbell(fresh_db.system)):
+            r = await bus.enqueue(**request(bus, "quick", "idle"))
+            await wait_status(bus, r.id, MessageStatus.DONE, timeout=5)
+        config = replace(config, ack_linger=timedelta(milliseconds=50))
+        async with serving(store, PIPES, config, PgDoorbell(fresh_db.system)) as runner:
+            ids = [
+                r.id
+                for r in await bus.enqueue_many(
+                    [bus.request(**request(bus, "quick", f"d{i}")) for i in range(200)]
+                )
+            ]
+            for mid in ids:
+                await wait_status(bus, mid, MessageStatus.DONE, timeout=20)
+            assert runner.stats.completed == 200
