@@ -482,14 +482,7 @@ async def test_claim_plan_built_on_an_empty_table_stays_bounded(fresh_db: Endpoi
         }
 
         async def burst() -> None:
-            for start in range(0, 4000, 1000):
-                await bus.enqueue_many([req(bus, f"b{i}") for i in range(start, start + 1000)])
-            running: list[LeaseRef] = []
-            for _ in range(30):
-                claim = await rstore.claim_lane(
-                    worker="w", lane=Lane.INTERACTIVE, limit=10, lease=LEASE, tenant_limit=10**5
-                )
-                running.extend(m.lease for m in claim.messages)
+            running = await _burst(bus, rstore, claims=30)
             assert len(running) == 300
             params["finished_ids"] = [lease.message_id for lease in running[:20]]
             params["finished_tokens"] = [lease.lease_token for lease in running[:20]]
@@ -507,6 +500,19 @@ def _positional(statement: str) -> tuple[str, list[str]]:
     parameter names in that order."""
     names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
     return re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement), names
+
+
+async def _burst(bus: Bus, rstore: PgRunnerStore, *, claims: int) -> list[LeaseRef]:
+    """4,000 messages enqueued at once, then `claims` claims of 10: the leases taken."""
+    for start in range(0, 4000, 1000):
+        await bus.enqueue_many([req(bus, f"b{i}") for i in range(start, start + 1000)])
+    running: list[LeaseRef] = []
+    for _ in range(claims):
+        claim = await rstore.claim_lane(
+            worker="w", lane=Lane.INTERACTIVE, limit=10, lease=LEASE, tenant_limit=10**5
+        )
+        running.extend(m.lease for m in claim.messages)
+    return running
 
 
 _ACK_PARAM_TYPES = {
@@ -557,14 +563,7 @@ async def test_kept_plans_are_remade_when_the_envelope_outgrows_its_statistics(
                 await cur.execute(f"EXECUTE {name}{calls[name]}", empty)
 
             # A backlog, and as many leases running as a few runners hold.
-            for start in range(0, 4000, 1000):
-                await bus.enqueue_many([req(bus, f"b{i}") for i in range(start, start + 1000)])
-            running: list[LeaseRef] = []
-            for _ in range(4):
-                claim = await rstore.claim_lane(
-                    worker="w", lane=Lane.INTERACTIVE, limit=10, lease=LEASE, tenant_limit=10**5
-                )
-                running.extend(m.lease for m in claim.messages)
+            running = await _burst(bus, rstore, claims=4)
 
             async def explain(name: str, leases: list[LeaseRef]) -> dict[str, Any]:
                 # Autocommit: a rollback would make the driver deallocate the prepared
