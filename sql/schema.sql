@@ -102,8 +102,8 @@ DECLARE
 BEGIN
     SELECT count(*) FILTER (WHERE n.status <> o.status) AS changed,
            count(*) FILTER (WHERE n.status <> o.status AND t.from_status IS NULL) AS illegal,
-           count(*) FILTER (WHERE n.status <> o.status
-                              AND 'running' IN (n.status, o.status)) AS running,
+           count(*) FILTER (WHERE n.status = 'running' AND o.status <> 'running') AS taken,
+           count(*) FILTER (WHERE o.status = 'running' AND n.status <> 'running') AS ended,
            count(*) FILTER (WHERE n.status = 'done' AND o.status = 'running') AS done,
            count(*) FILTER (WHERE n.status = 'pending' AND o.status <> 'pending') AS pending
     INTO seen
@@ -134,36 +134,39 @@ BEGIN
     FROM new_rows n JOIN old_rows o ON o.id = n.id
     WHERE n.status <> o.status;
 
-    IF seen.running > 0 THEN
-        -- Running counts per tenant, in two rows: leases taken count up tenant_runtime.claimed
-        -- (the row a claim locks), leases ended count up tenant_released.released (a row no
-        -- claim locks). Each set of rows is locked in tenant order, so that two statements
-        -- touching the same tenants can never deadlock.
+    IF seen.taken > 0 THEN
+        -- Leases taken count up tenant_runtime.claimed (the row a claim locks), locked in
+        -- tenant order so that two statements touching the same tenants never deadlock.
         WITH delta AS (
-            SELECT n.tenant,
-                   count(*) FILTER (WHERE n.status = 'running') AS taken,
-                   count(*) FILTER (WHERE o.status = 'running') AS ended,
-                   max(n.claimed_at) FILTER (WHERE n.status = 'running') AS claimed
+            SELECT n.tenant, count(*) AS taken, max(n.claimed_at) AS claimed
             FROM new_rows n JOIN old_rows o ON o.id = n.id
-            WHERE n.status <> o.status AND 'running' IN (n.status, o.status)
+            WHERE n.status = 'running' AND o.status <> 'running'
             GROUP BY n.tenant
         ),
         took AS (
             SELECT r.tenant FROM tenant_runtime r
-            WHERE r.tenant IN (SELECT d.tenant FROM delta d WHERE d.taken > 0)
+            WHERE r.tenant IN (SELECT d.tenant FROM delta d)
             ORDER BY r.tenant
             FOR UPDATE
-        ),
-        counted AS (
-            UPDATE tenant_runtime r
-            SET claimed = r.claimed + delta.taken,
-                last_claimed_at = greatest(r.last_claimed_at, delta.claimed)
-            FROM delta JOIN took ON took.tenant = delta.tenant
-            WHERE r.tenant = delta.tenant
+        )
+        UPDATE tenant_runtime r
+        SET claimed = r.claimed + delta.taken,
+            last_claimed_at = greatest(r.last_claimed_at, delta.claimed)
+        FROM delta JOIN took ON took.tenant = delta.tenant
+        WHERE r.tenant = delta.tenant;
+    END IF;
+    IF seen.ended > 0 THEN
+        -- Leases ended count up tenant_released.released (a row no claim locks), in tenant
+        -- order too.
+        WITH delta AS (
+            SELECT n.tenant, count(*) AS ended
+            FROM new_rows n JOIN old_rows o ON o.id = n.id
+            WHERE o.status = 'running' AND n.status <> 'running'
+            GROUP BY n.tenant
         ),
         gave AS (
             SELECT x.tenant FROM tenant_released x
-            WHERE x.tenant IN (SELECT d.tenant FROM delta d WHERE d.ended > 0)
+            WHERE x.tenant IN (SELECT d.tenant FROM delta d)
             ORDER BY x.tenant
             FOR UPDATE
         )
