@@ -551,7 +551,7 @@ class Runner:
                 )
                 return
             try:
-                encode_json(result.result, "result")
+                result_json = encode_json(result.result, "result")
             except InvalidInput as exc:
                 # Failed here, visibly: queued as an acknowledgement it would be refused on
                 # every retry while its lease was kept alive.
@@ -564,7 +564,9 @@ class Runner:
             if attempt.context.spawned:
                 await self._enqueue_spawned(attempt)
             attempt.acked = True
-            self._acks.append((attempt, Completion(attempt.lease, result.result, result.outcome)))
+            self._acks.append(
+                (attempt, Completion(attempt.lease, result.result, result.outcome, result_json))
+            )
             self._ack_ready.set()
             # The slot is free as soon as the handler is: the acknowledgement is in flight on
             # its own connection, and the database still counts the message against its

@@ -36,20 +36,21 @@ class LaneSlots:
     def shared(self) -> int:
         return self.total - self.reserved_interactive - self.reserved_system
 
-    def _shared_used(self) -> int:
-        over_i = max(0, self.running[Lane.INTERACTIVE] - self.reserved_interactive)
-        over_s = max(0, self.running[Lane.SYSTEM] - self.reserved_system)
-        return over_i + over_s + self.running[Lane.BATCH]
-
     def free(self, lane: Lane) -> int:
         """How many more messages of `lane` may start now."""
-        shared_free = max(0, self.shared - self._shared_used())
+        # Called several times per message on the runner's loop: plain arithmetic, no calls.
+        running = self.running
+        own_i = self.reserved_interactive - running[Lane.INTERACTIVE]
+        own_s = self.reserved_system - running[Lane.SYSTEM]
+        # Interactive and system work beyond its own reserve uses shared slots, as batch does.
+        used = running[Lane.BATCH] + (-own_i if own_i < 0 else 0) + (-own_s if own_s < 0 else 0)
+        shared_free = self.total - self.reserved_interactive - self.reserved_system - used
+        if shared_free < 0:
+            shared_free = 0
         if lane is Lane.INTERACTIVE:
-            own = max(0, self.reserved_interactive - self.running[Lane.INTERACTIVE])
-            return own + shared_free
+            return shared_free + (own_i if own_i > 0 else 0)
         if lane is Lane.SYSTEM:
-            own = max(0, self.reserved_system - self.running[Lane.SYSTEM])
-            return own + shared_free
+            return shared_free + (own_s if own_s > 0 else 0)
         return shared_free
 
     def own_free(self, lane: Lane) -> int:

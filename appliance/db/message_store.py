@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -71,12 +72,12 @@ _MESSAGE_FIELDS = {
 
 
 def row_to_message(row: dict[str, Any]) -> Message:
-    """A database row as the domain's read model (unknown columns go to `extra`)."""
-    known = {k: v for k, v in row.items() if k in _MESSAGE_FIELDS}
-    extra = {k: v for k, v in row.items() if k not in _MESSAGE_FIELDS}
-    known["lane"] = Lane(known["lane"])
-    known["status"] = MessageStatus(known["status"])
-    return Message(**known, extra=extra)
+    """A database row (a fresh dict, consumed) as the domain's read model; unknown columns go to
+    `extra`."""
+    extra = {k: row.pop(k) for k in row.keys() - _MESSAGE_FIELDS}
+    row["lane"] = Lane(row["lane"])
+    row["status"] = MessageStatus(row["status"])
+    return Message(**row, extra=extra)
 
 
 async def run_fenced(db: Database, name: str, lease: LeaseRef, **params: Any) -> bool:
@@ -155,13 +156,20 @@ def _enqueue_params(
     }
 
 
+@functools.lru_cache(maxsize=256)
+def _json_text(value: str | None) -> str:
+    """A short string (an outcome name) as JSON; a handful of distinct ones, encoded once each."""
+    return json.dumps(value)
+
+
 def complete_params(
     completions: Sequence[Completion], *, actor: str, now: datetime | None
 ) -> dict[str, Any]:
     """Parameters of `message_complete`: the completions as one JSON array."""
     acks = ",".join(
-        f"[{c.lease.message_id},{c.lease.lease_token},{encode_json(c.result, 'result')},"
-        f"{json.dumps(c.outcome)}]"
+        f"[{c.lease.message_id},{c.lease.lease_token},"
+        f"{c.result_json if c.result_json is not None else encode_json(c.result, 'result')},"
+        f"{_json_text(c.outcome)}]"
         for c in completions
     )
     return {"acks": f"[{acks}]", "actor": actor, "now": now}
@@ -302,10 +310,12 @@ class PgMessageStore:
             "tenant_limit": tenant_limit,
             "tenant": tenant,
             "max_runtime": max_runtime,
-            "blocked_tiers": [t.value for t in blocked_tiers],
+            # Array literals, cast by the statement: the driver's list dumper cost about 50 us
+            # of client CPU per claim for these three short arrays (tier names are plain words).
+            "blocked_tiers": "{" + ",".join(t.value for t in blocked_tiers) + "}",
             "now": now,
-            "finished_ids": [f.message_id for f in finished],
-            "finished_tokens": [f.lease_token for f in finished],
+            "finished_ids": "{" + ",".join(str(f.message_id) for f in finished) + "}",
+            "finished_tokens": "{" + ",".join(str(f.lease_token) for f in finished) + "}",
         }
         async with self.db.system_conn() as conn:
             rows = await (await conn.execute(q("message_claim_lane"), params)).fetchall()

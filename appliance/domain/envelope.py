@@ -116,6 +116,8 @@ def parse_status(value: str | MessageStatus) -> MessageStatus:
 
 def encode_json(value: JSONValue, field_name: str) -> str:
     """Compact JSON text that jsonb can store, or an error naming the field."""
+    if value is None:
+        return "null"  # the most common result: no encoder needed
     try:
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:

@@ -72,6 +72,9 @@ class Completion:
     lease: LeaseRef
     result: JSONValue = None
     outcome: str = "ok"
+    # The result as encode_json's text, when the caller has it already (the runner validates
+    # every result before queueing it): encoded once, not twice.
+    result_json: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
