@@ -65,3 +65,32 @@ def test_own_free_counts_only_a_lanes_reserved_slots() -> None:
     slots.take(Lane.INTERACTIVE, 3)  # one reserved, two shared
     assert slots.own_free(Lane.INTERACTIVE) == 0
     assert slots.free(Lane.BATCH) == 3
+
+
+def _free_by_definition(slots: LaneSlots, lane: Lane) -> int:
+    """Free slots as the rule says: a lane's own free reserve plus the free shared slots, where
+    interactive and system work beyond their reserves, and all batch work, use shared slots."""
+    r = slots.running
+    shared_used = (
+        max(0, r[Lane.INTERACTIVE] - slots.reserved_interactive)
+        + max(0, r[Lane.SYSTEM] - slots.reserved_system)
+        + r[Lane.BATCH]
+    )
+    shared_free = max(0, slots.shared - shared_used)
+    own = {
+        Lane.INTERACTIVE: max(0, slots.reserved_interactive - r[Lane.INTERACTIVE]),
+        Lane.SYSTEM: max(0, slots.reserved_system - r[Lane.SYSTEM]),
+        Lane.BATCH: 0,
+    }
+    return own[lane] + shared_free
+
+
+@given(st.integers(1, 16), st.data())
+def test_free_matches_its_definition_in_every_state(total: int, data: st.DataObject) -> None:
+    ri = data.draw(st.integers(0, total))
+    rs = data.draw(st.integers(0, total - ri))
+    slots = LaneSlots(total=total, reserved_interactive=ri, reserved_system=rs)
+    for lane in Lane:
+        slots.running[lane] = data.draw(st.integers(0, total))
+    for lane in Lane:
+        assert slots.free(lane) == _free_by_definition(slots, lane)
