@@ -114,6 +114,12 @@ def parse_status(value: str | MessageStatus) -> MessageStatus:
         raise InvalidInput("status", f"unknown status {value!r} (one of: {allowed})") from None
 
 
+# A NUL character as the encoder writes it: a `\u0000` escape whose backslash is not itself
+# escaped (an even run of backslashes, escaped ones, may precede it). `\\u0000` is the six
+# characters `\u0000` in the text, which jsonb stores fine.
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
 def encode_json(value: JSONValue, field_name: str) -> str:
     """Compact JSON text that jsonb can store, or an error naming the field."""
     if value is None:
@@ -122,7 +128,7 @@ def encode_json(value: JSONValue, field_name: str) -> str:
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(field_name, f"is not JSON-serialisable: {exc}") from None
-    if "\\u0000" in text:
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):
         # PostgreSQL jsonb cannot hold NUL characters; say so here rather than fail at insert.
         raise InvalidInput(
             field_name, "contains a NUL character (\\u0000), which jsonb cannot store"

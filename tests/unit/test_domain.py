@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from datetime import UTC, datetime, timedelta
 
@@ -16,6 +17,7 @@ from appliance.domain.envelope import (
     EnqueueRequest,
     Lane,
     MessageStatus,
+    encode_json,
     idempotency_key,
     parse_lane,
 )
@@ -148,3 +150,13 @@ def test_every_shipped_query_has_a_description_and_no_string_formatting() -> Non
     for query in load().values():
         assert query.doc
         assert "{" not in query.sql.replace("'{", "")  # no str.format placeholders
+
+
+def test_the_text_of_a_nul_escape_is_not_a_nul() -> None:
+    # The six characters `\u0000` are ordinary text (jsonb stores them); only a real NUL, however
+    # many backslashes stand before it, is refused.
+    for fine in ({"\\u0000": "\\\\u0000"}, ["a\\u0000b"]):
+        assert json.loads(encode_json(fine, "context")) == fine
+    for bad in ("\x00", "\\\x00", {"k": ["\\\\\x00"]}):
+        with pytest.raises(InvalidInput, match="NUL"):
+            encode_json(bad, "context")
