@@ -113,32 +113,49 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
 
-def _request_json(r: EnqueueRequest) -> str:
-    """One request in enqueue_requests' positional row layout (migration 0007)."""
-    head = json.dumps(
+# Stands in for each request's context while the heads are encoded together: a JSON string of
+# one NUL character, which no encoded text field can contain (enqueue refuses NUL in text
+# fields, so no field's encoding starts a string with an escaped NUL).
+_CONTEXT_SLOT = "\u0000"
+_CONTEXT_SLOT_JSON = '"\\u0000"'
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def _requests_json(requests: Sequence[EnqueueRequest]) -> str:
+    """The requests as one JSON array in enqueue_requests' positional row layout (migration
+    0007). The heads are encoded in one pass; each context, already compact validated JSON
+    text, is spliced in as its row's last element rather than decoded and encoded again."""
+    heads = _COMPACT.encode(
         [
-            r.tenant,
-            r.pipeline,
-            r.stage,
-            r.source,
-            r.source_id,
-            r.idempotency_key,
-            r.directive,
-            r.from_agent,
-            r.to_agent,
-            r.lane.value if r.lane else None,
-            r.priority,
-            r.max_attempts,
-            _iso(r.not_before),
-            _iso(r.deadline),
-            r.hops,
-        ],
-        ensure_ascii=False,
-        separators=(",", ":"),
+            [
+                r.tenant,
+                r.pipeline,
+                r.stage,
+                r.source,
+                r.source_id,
+                r.idempotency_key,
+                r.directive,
+                r.from_agent,
+                r.to_agent,
+                r.lane.value if r.lane else None,
+                r.priority,
+                r.max_attempts,
+                _iso(r.not_before),
+                _iso(r.deadline),
+                r.hops,
+                _CONTEXT_SLOT,
+            ]
+            for r in requests
+        ]
     )
-    # The context is already compact, validated JSON text: spliced in as the last element
-    # rather than encoded again as a string.
-    return f"{head[:-1]},{r.context_json}]"
+    parts = heads.split(_CONTEXT_SLOT_JSON)
+    if len(parts) != len(requests) + 1:  # a field held the slot after all: never guess
+        raise InvalidInput("request", "a text field contains a NUL character")
+    out = [parts[0]]
+    for r, part in zip(requests, parts[1:], strict=True):
+        out.append(r.context_json)
+        out.append(part)
+    return "".join(out)
 
 
 def _enqueue_params(
@@ -152,7 +169,7 @@ def _enqueue_params(
         "retention": retention,
         "default_max_attempts": default_max_attempts,
         "scope": None,
-        "requests": "[" + ",".join(_request_json(r) for r in requests) + "]",
+        "requests": _requests_json(requests),
     }
 
 
