@@ -26,7 +26,7 @@ JSON = st.recursive(
 )
 
 
-@given(st.lists(st.tuples(TEXT, TEXT, JSON), min_size=1, max_size=6))
+@given(st.lists(st.tuples(TEXT, TEXT.filter(str.strip), JSON), min_size=1, max_size=6))
 def test_every_field_survives_and_contexts_are_spliced(rows: list[tuple[str, str, object]]) -> None:
     now = datetime(2026, 11, 1, tzinfo=UTC)
     requests = [
