@@ -427,24 +427,26 @@ class BusSide:
             "CHECKPOINT",
         )
 
+    def request(self, tag: str, i: int, tenant: str, stage: str, lane: Lane) -> EnqueueRequest:
+        """Message i of a run tagged `tag`, for the bench pipeline's `stage`."""
+        return self.bus.request(
+            tenant=tenant,
+            pipeline="bench",
+            stage=stage,
+            source="bench",
+            source_id=f"{tag}-{i}",
+            directive=stage,
+            context={"i": i},
+            lane=lane,
+        )
+
     async def prefill(self, n: int, tenants: Sequence[str], stage: str, lane: Lane) -> None:
         """n messages spread evenly over `tenants`, in batches of one tenant each."""
         tag = fresh_tag()
         per: dict[str, list[EnqueueRequest]] = {t: [] for t in tenants}
         for i in range(n):
             tenant = tenants[i % len(tenants)]
-            per[tenant].append(
-                self.bus.request(
-                    tenant=tenant,
-                    pipeline="bench",
-                    stage=stage,
-                    source="bench",
-                    source_id=f"{tag}-{i}",
-                    directive=stage,
-                    context={"i": i},
-                    lane=lane,
-                )
-            )
+            per[tenant].append(self.request(tag, i, tenant, stage, lane))
         for start in range(0, max(len(v) for v in per.values()), BATCH):
             for requests in per.values():
                 if requests[start : start + BATCH]:
@@ -509,6 +511,13 @@ class BusSide:
                 finally:
                     if profiler is not None:
                         profiler.disable()
+        sample, retried = await self._drained(n, m)
+        assert retried == 0, f"{retried} messages ran twice"
+        return sample, runner.store
+
+    async def _drained(self, n: int, m: Meter) -> tuple[Sample, int]:
+        """A drain of n as the database saw it: the sample with its span from the first claim
+        to the last finish (all n must be done), and how many messages ran more than once."""
         (row,) = await self.admin_sql(
             "SELECT count(*) FILTER (WHERE status = 'done') AS done,"
             " extract(epoch FROM max(finished_at) - min(claimed_at))::float8 AS span,"
@@ -516,29 +525,17 @@ class BusSide:
             " FROM appliance.agent_messages"
         )
         assert row["done"] == n, f"done {row['done']} of {n}"
-        assert row["retried"] == 0, f"{row['retried']} messages ran twice"
         assert m.sample is not None
         s = m.sample
         sample = Sample(n, float(row["span"]), s.client_cpu, s.server_cpu, s.other_cpu, s.steal)
-        return sample, runner.store
+        return sample, int(row["retried"])
 
     async def drain_cold(self, n: int) -> Sample:
         """The runner already serves an empty envelope (its plans made on it, as on a fresh box
         or after a quiet spell) when n no-ops arrive in batches of 1,000; rate as in drain()."""
         await self.reset()  # TRUNCATE: the table's size statistics start from nothing again
         tag = fresh_tag()
-        requests = [
-            self.bus.request(
-                tenant=TENANT,
-                pipeline="bench",
-                stage="noop",
-                source="bench",
-                source_id=f"{tag}-{i}",
-                directive="noop",
-                context={"i": i},
-            )
-            for i in range(n)
-        ]
+        requests = [self.request(tag, i, TENANT, "noop", Lane.INTERACTIVE) for i in range(n)]
         async with self.serving("cold") as runner:
             await asyncio.sleep(1.0)  # it has swept the empty lanes: its plans are made
             with Meter(self.server_pid, n) as m:
@@ -546,15 +543,8 @@ class BusSide:
                     await self.bus.enqueue_many(requests[start : start + BATCH])
                 if not await until(lambda: runner.stats.completed >= n, 600):
                     raise RuntimeError(f"drain stalled at {runner.stats.completed} of {n}")
-        (row,) = await self.admin_sql(
-            "SELECT count(*) FILTER (WHERE status = 'done') AS done,"
-            " extract(epoch FROM max(finished_at) - min(claimed_at))::float8 AS span"
-            " FROM appliance.agent_messages"
-        )
-        assert row["done"] == n, f"done {row['done']} of {n}"
-        assert m.sample is not None
-        s = m.sample
-        return Sample(n, float(row["span"]), s.client_cpu, s.server_cpu, s.other_cpu, s.steal)
+        sample, _ = await self._drained(n, m)
+        return sample
 
     async def probe_latency(
         self,

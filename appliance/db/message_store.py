@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -14,6 +13,7 @@ from psycopg.rows import tuple_row
 from appliance.db.database import Database
 from appliance.db.queries import q
 from appliance.domain.envelope import (
+    COMPACT_JSON,
     EnqueueRequest,
     EnqueueResult,
     Lane,
@@ -119,14 +119,13 @@ def _iso(moment: datetime | None) -> str | None:
 # fields, so no field's encoding starts a string with an escaped NUL).
 _CONTEXT_SLOT = "\u0000"
 _CONTEXT_SLOT_JSON = '"\\u0000"'
-_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def _requests_json(requests: Sequence[EnqueueRequest]) -> str:
     """The requests as one JSON array in enqueue_requests' positional row layout (migration
     0007). The heads are encoded in one pass; each context, already compact validated JSON
     text, is spliced in as its row's last element rather than decoded and encoded again."""
-    heads = _COMPACT.encode(
+    heads = COMPACT_JSON.encode(
         [
             [
                 r.tenant,
@@ -177,7 +176,7 @@ def _enqueue_params(
 @functools.lru_cache(maxsize=256)
 def _json_text(value: str | None) -> str:
     """A short string (an outcome name) as JSON; a handful of distinct ones, encoded once each."""
-    return json.dumps(value)
+    return COMPACT_JSON.encode(value)
 
 
 def complete_params(

@@ -118,6 +118,8 @@ def parse_status(value: str | MessageStatus) -> MessageStatus:
 # escaped (an even run of backslashes, escaped ones, may precede it). `\\u0000` is the six
 # characters `\u0000` in the text, which jsonb stores fine.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# Compact JSON as jsonb receives it: no spaces, UTF-8 as is, no NaN or Infinity (jsonb has none).
+COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def encode_json(value: JSONValue, field_name: str) -> str:
@@ -125,7 +127,7 @@ def encode_json(value: JSONValue, field_name: str) -> str:
     if value is None:
         return "null"  # the most common result: no encoder needed
     try:
-        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = COMPACT_JSON.encode(value)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(field_name, f"is not JSON-serialisable: {exc}") from None
     if "\\u0000" in text and _ESCAPED_NUL.search(text):
