@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,15 +141,15 @@ class Database:
             await conn.execute(q("tenant_set"), {"tenant": tenant})
             yield conn
 
-    @asynccontextmanager
-    async def system_conn(self) -> AsyncIterator[Conn]:
+    def system_conn(self) -> AbstractAsyncContextManager[Conn]:
         """An autocommit connection of the bus machinery role.
 
         Statements are durable unless they say otherwise: claims and heartbeats set
         synchronous_commit off for their own implicit transaction (see their queries).
+        The pool's own context manager, unwrapped: the claim and acknowledgement paths take a
+        connection for every statement, and a generator-based wrapper cost more than the call.
         """
-        async with self.system_pool.connection() as conn:
-            yield conn
+        return self.system_pool.connection()
 
     @asynccontextmanager
     async def system_tx(self) -> AsyncIterator[Conn]:

@@ -11,6 +11,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from appliance.db.database import Database
+from appliance.db.message_rows import message_rows, row_to_message
 from appliance.db.queries import q
 from appliance.domain.envelope import (
     COMPACT_JSON,
@@ -42,43 +43,6 @@ UNLIMITED = 1_000_000
 ENQUEUE_CHUNK = 1000
 # A stage not declared in any pipeline still gets a hard runtime limit.
 DEFAULT_MAX_RUNTIME = timedelta(minutes=10)
-
-_MESSAGE_FIELDS = {
-    "id",
-    "tenant",
-    "pipeline",
-    "stage",
-    "source",
-    "source_id",
-    "idempotency_key",
-    "directive",
-    "context",
-    "from_agent",
-    "to_agent",
-    "lane",
-    "status",
-    "priority",
-    "attempts",
-    "max_attempts",
-    "lease_token",
-    "lease_expires_at",
-    "not_before",
-    "deadline",
-    "result",
-    "error",
-    "created_at",
-    "updated_at",
-    "claimed_by",
-}
-
-
-def row_to_message(row: dict[str, Any]) -> Message:
-    """A database row (a fresh dict, consumed) as the domain's read model; unknown columns go to
-    `extra`."""
-    extra = {k: row.pop(k) for k in row.keys() - _MESSAGE_FIELDS}
-    row["lane"] = Lane(row["lane"])
-    row["status"] = MessageStatus(row["status"])
-    return Message(**row, extra=extra)
 
 
 async def run_fenced(db: Database, name: str, lease: LeaseRef, **params: Any) -> bool:
@@ -190,6 +154,9 @@ def complete_params(
         for c in completions
     )
     return {"acks": f"[{acks}]", "actor": actor, "now": now}
+
+
+_CLAIM_ROWS = message_rows("lane_pending")
 
 
 class PgMessageStore:
@@ -342,14 +309,11 @@ class PgMessageStore:
             "finished_tokens": "{" + ",".join(str(f.lease_token) for f in finished) + "}",
         }
         async with self.db.system_conn() as conn:
-            rows = await (await conn.execute(q("message_claim_lane"), params)).fetchall()
+            cur = conn.cursor(row_factory=_CLAIM_ROWS)
+            rows = await (await cur.execute(q("message_claim_lane"), params)).fetchall()
         # Every row carries the lane's backlog; a row of NULLs carries it when none was claimed.
-        found = 0
-        messages: list[Message] = []
-        for row in rows:
-            found = row.pop("lane_pending")
-            if row["id"] is not None:
-                messages.append(row_to_message(row))
+        messages = [message for message, _ in rows if message is not None]
+        found = rows[-1][1] if rows else 0
         messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
         return LaneClaim(messages, left_behind=found > len(messages))
 
@@ -401,8 +365,9 @@ class PgMessageStore:
             return []
         params = complete_params(completions, actor=actor, now=now)
         async with self.db.system_conn() as conn:
-            rows = await (await conn.execute(q("message_complete"), params)).fetchall()
-        by_id = {r["id"]: _ack(r["applied"], r["status"], r["same_lease"]) for r in rows}
+            cur = conn.cursor(row_factory=tuple_row)  # (id, applied, status, same_lease)
+            rows = await (await cur.execute(q("message_complete"), params)).fetchall()
+        by_id = {r[0]: _ack(r[1], r[2], r[3]) for r in rows}
         return [by_id[c.lease.message_id] for c in completions]
 
     async def fail(

@@ -12,6 +12,7 @@ import pytest
 
 from appliance.bus.core import Bus, BusConfig
 from appliance.db.database import Database, Endpoints
+from appliance.db.message_rows import message_rows, row_to_message
 from appliance.db.message_store import PgMessageStore, _enqueue_params
 from appliance.db.queries import q
 from appliance.domain.envelope import LEGAL_TRANSITIONS, Lane, MessageStatus
@@ -376,3 +377,45 @@ async def test_concurrent_single_enqueues_share_statements(bus: Bus, db: Databas
     assert rows is not None
     assert rows["n"] == 80 and rows["txs"] < 60
     assert rows["hits"] == 40  # every repeat counted as a dedup hit, as if sent alone
+
+
+async def test_claim_rows_decode_by_name_in_any_column_order(bus: Bus, db: Database) -> None:
+    """The claim path picks a row's values by position (message_rows); the positions come from
+    the result's column names, so the order of columns, the columns later migrations add and
+    the trailing value all land where the dict path (row_to_message) puts them."""
+    enq = await bus.enqueue(**vars_of(req(bus, "rows", context={"k": [1, "two"]})))
+    (claimed,) = await bus.claim("w", limit=1)
+    assert claimed.id == enq.id and claimed.context == {"k": [1, "two"]}
+    assert claimed.lane is Lane.INTERACTIVE and claimed.status is MessageStatus.RUNNING
+    assert claimed.extra["run_deadline"] is not None and claimed.hops == 0
+
+    shuffled = (
+        "SELECT 7 AS lane_pending, m.hops, m.status, m.context, m.lane, m.*, m.id AS also"
+        " FROM appliance.agent_messages m WHERE m.id = %(id)s"
+    )
+    async with db.system_conn() as conn:
+        cur = conn.cursor(row_factory=message_rows("lane_pending"))
+        ((message, trailer),) = await (await cur.execute(shuffled, {"id": enq.id})).fetchall()
+        plain = await (
+            await conn.execute(
+                "SELECT * FROM appliance.agent_messages WHERE id = %(id)s", {"id": enq.id}
+            )
+        ).fetchone()
+    assert trailer == 7 and plain is not None
+    expected = row_to_message(dict(plain))
+    assert message is not None
+    assert {**vars(message), "extra": None} == {**vars(expected), "extra": None}
+    assert message.extra == {**expected.extra, "also": enq.id}
+
+    # A row of NULLs (a claim that found nothing) carries only the trailer.
+    async with db.system_conn() as conn:
+        cur = conn.cursor(row_factory=message_rows("lane_pending"))
+        empty = "SELECT NULL::bigint AS lane_pending, m.* FROM appliance.agent_messages m"
+        rows = await (await cur.execute(empty + " RIGHT JOIN (SELECT) AS one ON false")).fetchall()
+    assert rows == [(None, None)]
+
+    # A statement that lacks a field of the read model is refused by name, never half-read.
+    async with db.system_conn() as conn:
+        cur = conn.cursor(row_factory=message_rows("lane_pending"))
+        with pytest.raises(ValueError, match="directive"):
+            await cur.execute("SELECT id, tenant FROM appliance.agent_messages")
