@@ -22,6 +22,7 @@ from appliance.domain.envelope import (
     Message,
     MessageStatus,
     encode_json,
+    storable_text,
 )
 from appliance.domain.errors import InvalidInput, UnknownTenant
 from appliance.domain.inference import Tier
@@ -383,7 +384,7 @@ class PgMessageStore:
         params = {
             "id": lease.message_id,
             "token": lease.lease_token,
-            "error": error[:8000],
+            "error": storable_text(error),
             "retry_delay": retry_delay,
             "actor": actor,
             "now": now,

@@ -13,7 +13,7 @@ from psycopg.types.json import Jsonb
 
 from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore, run_batches, run_fenced
 from appliance.db.queries import q
-from appliance.domain.envelope import LeaseRef
+from appliance.domain.envelope import LeaseRef, storable_text
 from appliance.domain.inference import CallRecord, Tier
 from appliance.domain.pipeline import Pipeline
 from appliance.domain.ports import BusStatus, RunnerInfo
@@ -91,7 +91,7 @@ class PgRunnerStore(PgMessageStore):
     ) -> bool:
         """End a running attempt for good (dead, with the reason), fenced by its lease."""
         return await run_fenced(
-            self.db, "message_terminate", lease, reason=reason, actor=actor, now=now
+            self.db, "message_terminate", lease, reason=storable_text(reason), actor=actor, now=now
         )
 
     async def defer(
@@ -105,7 +105,13 @@ class PgRunnerStore(PgMessageStore):
     ) -> bool:
         """Back to pending after `delay`, the attempt not counted (fenced by the lease)."""
         return await run_fenced(
-            self.db, "message_defer", lease, delay=delay, reason=reason, actor=actor, now=now
+            self.db,
+            "message_defer",
+            lease,
+            delay=delay,
+            reason=storable_text(reason),
+            actor=actor,
+            now=now,
         )
 
     async def record_call(self, record: CallRecord) -> None:
@@ -122,7 +128,7 @@ class PgRunnerStore(PgMessageStore):
             "model": record.model,
             "model_sha256": record.model_sha256,
             "status": record.status,
-            "error": record.error,
+            "error": storable_text(record.error) if record.error is not None else None,
             "prompt_tokens": record.prompt_tokens,
             "completion_tokens": record.completion_tokens,
             "queue_seconds": record.queue_seconds,

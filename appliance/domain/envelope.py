@@ -135,7 +135,34 @@ def encode_json(value: JSONValue, field_name: str) -> str:
         raise InvalidInput(
             field_name, "contains a NUL character (\\u0000), which jsonb cannot store"
         )
+    if not text.isascii():
+        _check_unicode(field_name, text)
     return text
+
+
+def storable_text(text: str, limit: int = 8000) -> str:
+    """Free text the bus writes on its own account (an exception's message as a failure's error,
+    a reason): cut to `limit` characters, with what PostgreSQL text cannot hold (NUL, a lone
+    surrogate) written as an escape, so recording a failure never fails on its message."""
+    text = text[:limit]
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
+def _check_unicode(field_name: str, text: str) -> None:
+    """Refuse a lone surrogate (a Python string may hold one; a JSON escape of one decodes to
+    one): it has no UTF-8 form, so neither the database nor an idempotency key can take it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(
+            field_name,
+            f"contains a lone surrogate ({text[exc.start]!r} at {exc.start}), which is not "
+            "valid Unicode text",
+        ) from None
 
 
 def encode_context(context: JSONValue, max_bytes: int) -> str:
@@ -237,8 +264,12 @@ class EnqueueRequest:
             ("from_agent", from_agent),
             ("to_agent", to_agent),
         ):
-            if text is not None and "\x00" in text:
+            if text is None:
+                continue
+            if "\x00" in text:
                 raise InvalidInput(name, "contains a NUL character, which PostgreSQL cannot store")
+            if not text.isascii():
+                _check_unicode(name, text)
         for name, moment in (("not_before", not_before), ("deadline", deadline)):
             if moment is not None and moment.tzinfo is None:
                 raise InvalidInput(name, "must carry a time zone (ISO 8601 with offset)")

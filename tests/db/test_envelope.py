@@ -419,3 +419,21 @@ async def test_claim_rows_decode_by_name_in_any_column_order(bus: Bus, db: Datab
         cur = conn.cursor(row_factory=message_rows("lane_pending"))
         with pytest.raises(ValueError, match="directive"):
             await cur.execute("SELECT id, tenant FROM appliance.agent_messages")
+
+
+async def test_failure_text_the_database_cannot_hold_is_escaped_not_lost(
+    bus: Bus, store: PgMessageStore, db: Database
+) -> None:
+    """An exception's message may hold a NUL or a lone surrogate; recording the failure must
+    not fail on it (the lease would lapse and the attempt go unrecorded)."""
+    await bus.enqueue(**vars_of(req(bus, "odd-error")))
+    (m,) = await bus.claim("w", limit=1)
+    outcome = await store.fail(
+        m.lease, error="boom \x00 \ud800 é", retry_delay=timedelta(seconds=1), actor="w"
+    )
+    assert outcome is FailOutcome.RETRY
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute("SELECT error FROM appliance.agent_messages WHERE id = %s", (m.id,))
+        ).fetchone()
+    assert row is not None and row["error"] == "boom \\x00 \\ud800 é"

@@ -14,10 +14,12 @@ from appliance.db.message_store import _requests_json
 from appliance.domain.envelope import EnqueueRequest, Lane
 from appliance.domain.errors import InvalidInput
 
-# Text as callers send it: anything but NUL (refused at build), including quotes, backslashes,
-# the six characters `\u0000`, and characters beyond ASCII.
+# Text as callers send it: anything but NUL and lone surrogates (both refused at build),
+# including quotes, backslashes, the six characters `\u0000`, and characters beyond ASCII.
 TEXT = st.text(
-    st.characters(blacklist_characters="\x00"), min_size=1, max_size=20
+    st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)),
+    min_size=1,
+    max_size=20,
 ) | st.sampled_from(["\\u0000", '"\\u0000"', '"', "\\", "é ✓ 𝄞"])
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53), 2**53) | TEXT,
