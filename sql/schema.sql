@@ -1304,7 +1304,7 @@ ALTER TABLE ONLY appliance.energy_calibration
 --
 
 ALTER TABLE ONLY appliance.idempotency_keys
-    ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (tenant, key);
+    ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (key, tenant);
 
 --
 -- Name: inference_calls inference_calls_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner

@@ -12,6 +12,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from appliance.db.pool import LifoConnectionPool
 from appliance.db.queries import q
 from appliance.domain.errors import DatabaseUnavailable
 
@@ -81,15 +82,16 @@ class Database:
 
     def __init__(self, endpoints: Endpoints, *, min_size: int = 1, max_size: int = 8) -> None:
         self.endpoints = endpoints
-        # Prepared at first use: the pools hand out their connections in turn, so with the
-        # driver's default (prepare after 5 uses on a connection) every connection of the pool
-        # planned the claim, the enqueue and the acknowledgement 5 times before reusing a plan.
+        # Prepared at first use: with the driver's default (prepare after 5 uses on a
+        # connection) every connection of the pool planned the claim, the enqueue and the
+        # acknowledgement 5 times before reusing a plan. The pools hand out the connection
+        # returned last (LifoConnectionPool): a sequential caller keeps one warm server process.
         kwargs: dict[str, Any] = {
             "options": RUNTIME_OPTIONS,
             "row_factory": dict_row,
             "prepare_threshold": 0,
         }
-        self.app_pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+        self.app_pool: AsyncConnectionPool[Conn] = LifoConnectionPool(
             endpoints.app,
             min_size=min_size,
             max_size=max_size,
@@ -98,7 +100,7 @@ class Database:
             open=False,
             name="appliance-app",
         )
-        self.system_pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+        self.system_pool: AsyncConnectionPool[Conn] = LifoConnectionPool(
             endpoints.system,
             min_size=min_size,
             max_size=max_size,
