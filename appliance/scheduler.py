@@ -85,6 +85,7 @@ class Maintenance:
         archive_every: timedelta = timedelta(seconds=60),
         archive_retention: timedelta = timedelta(days=7),
         archive_batch: int = 1000,
+        purge_keys_every: timedelta = timedelta(seconds=60),
         spend: PgSpendStore | None = None,
         month_check_every: timedelta = timedelta(seconds=30),
         stats_every: timedelta = timedelta(seconds=2),
@@ -107,6 +108,7 @@ class Maintenance:
             (self.reclaim, IntervalTrigger(seconds=reclaim_every.total_seconds())),
             (self.expire, IntervalTrigger(seconds=expire_every.total_seconds())),
             (self.archive, IntervalTrigger(seconds=archive_every.total_seconds())),
+            (self.purge_keys, IntervalTrigger(seconds=purge_keys_every.total_seconds())),
             (self.listener_health, IntervalTrigger(seconds=10)),
             (self.planner_stats, IntervalTrigger(seconds=stats_every.total_seconds())),
         ]
@@ -127,6 +129,7 @@ class Maintenance:
         self.reclaimed = 0
         self.expired = 0
         self.archived = 0
+        self.keys_purged = 0
         self.analyzed = 0
 
     def _tracked(self, job: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
@@ -212,6 +215,18 @@ class Maintenance:
                     break
         except Exception:
             log.exception("archive failed")
+
+    async def purge_keys(self) -> None:
+        """Delete expired idempotency keys in bounded batches (at most ten a round, like the
+        archive: a backlog of expired keys drains over a few rounds, never in one long lock)."""
+        try:
+            for _ in range(10):
+                purged = await self.store.purge_keys(batch=self.archive_batch)
+                self.keys_purged += purged
+                if purged < self.archive_batch:
+                    break
+        except Exception:
+            log.exception("purging expired idempotency keys failed")
 
     async def planner_stats(self) -> None:
         """Keep the envelope's statistics in step with bursts (autovacuum may take minutes):

@@ -397,6 +397,39 @@ $$;
 ALTER FUNCTION appliance.idempotency_key(source text, source_id text, stage text) OWNER TO appliance_owner;
 
 --
+-- Name: purge_idempotency_keys(timestamp with time zone, integer); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone, p_batch integer) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    purged integer;
+BEGIN
+    -- One purger at a time across runners; the others skip this round.
+    IF NOT pg_try_advisory_xact_lock(hashtext('appliance.purge_keys')) THEN
+        RETURN 0;
+    END IF;
+    -- A key an enqueue is taking over right now is locked: skipped here, and its new expiry
+    -- keeps it. The expiry is checked again on the row deleted.
+    -- The rows are found through the BRIN index in storage order (no sort of all expired
+    -- keys) and deleted by their tuple ids (a TID scan, whatever the batch size's estimate).
+    DELETE FROM idempotency_keys k
+    WHERE k.ctid = ANY (ARRAY(
+              SELECT d.ctid FROM idempotency_keys d
+              WHERE d.expires_at <= coalesce(p_now, now())
+              LIMIT p_batch
+              FOR UPDATE SKIP LOCKED))
+      AND k.expires_at <= coalesce(p_now, now());
+    GET DIAGNOSTICS purged = ROW_COUNT;
+    RETURN purged;
+END
+$$;
+
+ALTER FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone, p_batch integer) OWNER TO appliance_owner;
+
+--
 -- Name: refresh_planner_stats(bigint, double precision); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1491,6 +1524,12 @@ CREATE INDEX agent_messages_wait_expires_at_idx ON appliance.agent_messages USIN
 CREATE INDEX agent_messages_waiting_capability_idx ON appliance.agent_messages USING btree (waiting_for) WHERE (status = 'waiting_capability'::appliance.message_status);
 
 --
+-- Name: idempotency_keys_expires_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX idempotency_keys_expires_at_idx ON appliance.idempotency_keys USING brin (expires_at) WITH (autosummarize='on');
+
+--
 -- Name: idempotency_keys_last_hit_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1789,6 +1828,13 @@ GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_system;
 
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_app;
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_system;
+
+--
+-- Name: FUNCTION purge_idempotency_keys(p_now timestamp with time zone, p_batch integer); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone, p_batch integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone, p_batch integer) TO appliance_system;
 
 --
 -- Name: FUNCTION refresh_planner_stats(p_min_pages bigint, p_growth double precision); Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -154,6 +154,16 @@ class PgRunnerStore(PgMessageStore):
             row = await (await conn.execute(q("message_archive"), params)).fetchone()
         return int(row["moved"]) if row else 0
 
+    async def purge_keys(self, *, batch: int = 1000, now: datetime | None = None) -> int:
+        """Delete one bounded batch of expired idempotency keys; how many. An
+        expired key answers no duplicate any more (a new request takes it over), so this
+        changes no answer; it keeps the table from growing with every source id ever seen."""
+        async with self.db.system_conn() as conn:
+            row = await (
+                await conn.execute(q("idempotency_keys_purge"), {"batch": batch, "now": now})
+            ).fetchone()
+        return int(row["purged"]) if row else 0
+
     async def refresh_planner_stats(self, *, min_pages: int = 32, growth: float = 2.0) -> list[str]:
         """ANALYZE the envelope (and the other tables read by key) where the heap has outgrown
         its statistics: `growth` times the size they were taken at, and at least `min_pages` of

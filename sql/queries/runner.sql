@@ -225,6 +225,10 @@ SELECT archive_messages(
     %(now)s::timestamptz
 ) AS moved;
 
+-- name: idempotency_keys_purge :one
+-- Delete one bounded batch of expired idempotency keys (0 while another runner purges).
+SELECT purge_idempotency_keys(%(now)s::timestamptz, %(batch)s) AS purged;
+
 -- name: pipeline_stage_upsert :exec
 -- Write one declared stage (the runner syncs its pipelines' graphs on start).
 INSERT INTO pipeline_stages

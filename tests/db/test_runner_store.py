@@ -402,6 +402,45 @@ async def test_archive_keeps_log_and_idempotency_reachable(
     assert await rstore.get("globex", m.id) is None
 
 
+async def _keys(db: Database) -> dict[str, datetime]:
+    async with db.system_conn() as conn:
+        rows = await (await conn.execute("SELECT key, expires_at FROM idempotency_keys")).fetchall()
+    return {r["key"]: r["expires_at"] for r in rows}
+
+
+async def test_expired_idempotency_keys_are_purged_in_batches(
+    rstore: PgRunnerStore, db: Database
+) -> None:
+    """Keys past their retention are deleted a bounded batch at a time; live
+    keys, and a key renewed by a new request, stay; a purged key's next request is new."""
+    day = timedelta(days=1)
+    bus = Bus(rstore, BusConfig(idempotency_retention=day))
+    old = await bus.enqueue_many([req(bus, f"old-{i}") for i in range(3)], now=T0)
+    live = await bus.enqueue_many([req(bus, "live")], now=T0 + 2 * day)
+    # Renewed: expired at T0 + 1 day, taken over by a new request after that.
+    await bus.enqueue_many([req(bus, "renewed")], now=T0)
+    renewed = await bus.enqueue_many([req(bus, "renewed")], now=T0 + 1.5 * day)
+    assert renewed[0].new
+    at = T0 + 1.6 * day
+    assert await rstore.purge_keys(batch=2, now=at) == 2
+    assert await rstore.purge_keys(batch=2, now=at) == 1
+    assert await rstore.purge_keys(batch=2, now=at) == 0
+    left = await _keys(db)
+    assert len(left) == 2 and all(expiry > at for expiry in left.values())
+    again = await bus.enqueue_many([req(bus, "old-0")], now=at)
+    assert again[0].new and again[0].id != old[0].id
+    dup = await bus.enqueue_many([req(bus, "live")], now=at)
+    assert not dup[0].new and dup[0].id == live[0].id
+
+    # One purger at a time: while another holds the lock, a purge does nothing.
+    expired_at = T0 + 10 * day
+    with psycopg.connect(db.endpoints.admin) as other:
+        other.execute("SELECT pg_advisory_xact_lock(hashtext('appliance.purge_keys'))")
+        assert await rstore.purge_keys(now=expired_at) == 0
+    assert await rstore.purge_keys(now=expired_at) == 3  # live, renewed, old-0 again
+    assert await _keys(db) == {}
+
+
 async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoints) -> None:
     # 1,000,000 finished messages (half archived) and a few pending ones: the claim must use
     # the partial index and read a bounded number of rows.
