@@ -70,6 +70,8 @@ from appliance.bus.core import Bus, BusConfig
 from appliance.bus.runner import Runner, RunnerConfig
 from appliance.db.database import Database, Endpoints
 from appliance.db.listener import PgDoorbell
+from appliance.db.message_rows import message_rows
+from appliance.db.message_store import DEFAULT_MAX_RUNTIME
 from appliance.db.migrate import migrate
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
@@ -298,6 +300,69 @@ def missed_claims(committed: dict[int, float], claims: list[Claim], lane: str) -
         if c.lane == lane and not c.ids and any(commit < c.t0 < cl for commit, cl in waiting):
             missed += 1
     return missed
+
+
+# Diagnostic only, never the product: the runner's claim as one SKIP LOCKED UPDATE of the lane,
+# with the product's lease columns, but no tenant round-robin, no tenant limits and no backlog
+# count. The gap between a drain with it and the product's drain is what fairness costs.
+BARE_CLAIM = """
+WITH nondurable AS MATERIALIZED (
+    SELECT set_config('synchronous_commit', 'off', true) AS setting
+)
+UPDATE appliance.agent_messages m
+SET status = 'running',
+    attempts = m.attempts + 1,
+    lease_token = nextval('appliance.agent_messages_lease_token_seq'),
+    run_deadline = now() + %(max_runtime)s::interval,
+    lease_expires_at = now() + least(%(lease)s::interval, %(max_runtime)s::interval),
+    claimed_by = %(worker)s,
+    claimed_at = now(),
+    updated_at = now(),
+    outcome = NULL,
+    status_reason = 'claimed',
+    status_actor = %(worker)s
+FROM nondurable
+WHERE m.id = ANY(ARRAY(
+    SELECT p.id FROM appliance.agent_messages p
+    WHERE p.status = 'pending' AND p.lane = %(lane)s::appliance.lane AND p.not_before <= now()
+    ORDER BY p.lane, p.tenant, p.priority DESC, p.not_before, p.id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED))
+RETURNING m.*, 0::bigint AS lane_pending
+"""
+
+
+_BARE_ROWS = message_rows("lane_pending")
+
+
+class BareClaimStore(PgRunnerStore):
+    """The product store, except that claims are BARE_CLAIM (a what-if, see above)."""
+
+    async def claim_lane(
+        self,
+        *,
+        worker: str,
+        lane: Lane,
+        limit: int,
+        lease: timedelta,
+        max_runtime: timedelta = DEFAULT_MAX_RUNTIME,
+        **_: Any,
+    ) -> LaneClaim:
+        if limit <= 0:
+            return LaneClaim([], left_behind=False)
+        params = {
+            "worker": worker,
+            "lane": lane.value,
+            "limit": limit,
+            "lease": lease,
+            "max_runtime": max_runtime,
+        }
+        async with self.db.system_conn() as conn:
+            cur = conn.cursor(row_factory=_BARE_ROWS)
+            rows = await (await cur.execute(BARE_CLAIM, params)).fetchall()
+        messages = [message for message, _ in rows if message is not None]
+        messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
+        return LaneClaim(messages, left_behind=False)
 
 
 class TimedStore(PgRunnerStore):
@@ -943,6 +1008,11 @@ class Diagnostics:
     calls: dict[str, CallStats] = field(default_factory=dict)
     wide_rate: float = float("nan")
     nosync_rate: float = float("nan")
+    # Where the runner's time goes: drains of sizes.drain with parts of the product taken away.
+    drain_n: int = 0
+    trigger_off_rate: float = float("nan")
+    bare_claim_rate: float = float("nan")
+    bare_trigger_off_rate: float = float("nan")
     rtt_ms: float = float("nan")
     idle_timed: LatencyRun | None = None
     backlog_timed: LatencyRun | None = None
@@ -1064,6 +1134,20 @@ async def diagnostics(side: BusSide, sizes: Sizes, profile: bool) -> Diagnostics
         d.nosync_rate = (await side.drain(n, [TENANT]))[0].rate
     finally:
         await side.admin_sql(f"ALTER DATABASE {BUS_DB} RESET synchronous_commit")
+    print("diagnostics: the drain without the update trigger, with a bare claim ...", flush=True)
+    d.drain_n = sizes.drain
+    d.bare_claim_rate = (await side.drain(sizes.drain, [TENANT], store_cls=BareClaimStore))[0].rate
+    # No message is running between drains, so the lease counters the trigger keeps stay
+    # consistent: neither side of them moves while it is off.
+    trigger = "ALTER TABLE appliance.agent_messages {} TRIGGER agent_messages_update_trg"
+    await side.admin_sql(trigger.format("DISABLE"))
+    try:
+        d.trigger_off_rate = (await side.drain(sizes.drain, [TENANT]))[0].rate
+        d.bare_trigger_off_rate = (
+            await side.drain(sizes.drain, [TENANT], store_cls=BareClaimStore)
+        )[0].rate
+    finally:
+        await side.admin_sql(trigger.format("ENABLE"))
     print("diagnostics: EXPLAIN of the claim, latency steps ...", flush=True)
     for pending in sorted({sizes.drain, 1_000}, reverse=True):
         d.explained.append(await explain_claim(side, pending))
@@ -1419,6 +1503,14 @@ def _reading(r: Report) -> list[str]:
         f" 32, claim batch 32: {fmt_rate(d.wide_rate)} msgs/s; synchronous_commit=off for the"
         f" whole database (acks not waiting for the WAL flush): {fmt_rate(d.nosync_rate)}"
         f" msgs/s; product defaults: {fmt_rate(d.timed_rate)} msgs/s."
+    )
+    out.append(
+        f"- where the runner's time goes (NOT product configurations; one 1-tenant drain of"
+        f" {d.drain_n:,} each, against the product's median {fmt_rate(r.drain1.median)} msgs/s):"
+        " the update trigger disabled (no transition log, lease counters or stage hand-off)"
+        f" {fmt_rate(d.trigger_off_rate)} msgs/s; the claim reduced to one bare SKIP LOCKED"
+        " UPDATE of the lane (no tenant round-robin, limits or backlog count)"
+        f" {fmt_rate(d.bare_claim_rate)}; both {fmt_rate(d.bare_trigger_off_rate)}."
     )
     for run, label in ((d.idle_timed, "idle"), (d.backlog_timed, "batch backlog")):
         if run is None or not run.calls:
