@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -203,28 +203,35 @@ class Maintenance:
         except Exception:
             log.exception("expire failed")
 
+    async def _batches(self, step: Callable[[], Awaitable[int]]) -> AsyncIterator[int]:
+        """Run `step` (one bounded batch, returning how many rows it handled) until a short
+        batch says it is done, at most ten times a round: a backlog drains over a few rounds,
+        never in one long lock. Yields each batch's count as it lands."""
+        for _ in range(10):
+            done = await step()
+            yield done
+            if done < self.archive_batch:
+                return
+
     async def archive(self) -> None:
-        """Archive in bounded batches until a short batch (or ten of them) says it is done."""
+        """Move old terminal messages to the archive, in bounded batches."""
         try:
-            for _ in range(10):
-                moved = await self.store.archive(
+            async for moved in self._batches(
+                lambda: self.store.archive(
                     retention=self.archive_retention, batch=self.archive_batch
                 )
+            ):
                 self.archived += moved
-                if moved < self.archive_batch:
-                    break
         except Exception:
             log.exception("archive failed")
 
     async def purge_keys(self) -> None:
-        """Delete expired idempotency keys in bounded batches (at most ten a round, like the
-        archive: a backlog of expired keys drains over a few rounds, never in one long lock)."""
+        """Delete expired idempotency keys, in bounded batches like the archive."""
         try:
-            for _ in range(10):
-                purged = await self.store.purge_keys(batch=self.archive_batch)
+            async for purged in self._batches(
+                lambda: self.store.purge_keys(batch=self.archive_batch)
+            ):
                 self.keys_purged += purged
-                if purged < self.archive_batch:
-                    break
         except Exception:
             log.exception("purging expired idempotency keys failed")
 

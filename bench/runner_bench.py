@@ -70,8 +70,7 @@ from appliance.bus.core import Bus, BusConfig
 from appliance.bus.runner import Runner, RunnerConfig
 from appliance.db.database import Database, Endpoints
 from appliance.db.listener import PgDoorbell
-from appliance.db.message_rows import message_rows
-from appliance.db.message_store import DEFAULT_MAX_RUNTIME
+from appliance.db.message_store import CLAIM_ROWS, DEFAULT_MAX_RUNTIME, lane_claim
 from appliance.db.migrate import migrate
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
@@ -332,9 +331,6 @@ RETURNING m.*, 0::bigint AS lane_pending
 """
 
 
-_BARE_ROWS = message_rows("lane_pending")
-
-
 class BareClaimStore(PgRunnerStore):
     """The product store, except that claims are BARE_CLAIM (a what-if, see above)."""
 
@@ -358,11 +354,9 @@ class BareClaimStore(PgRunnerStore):
             "max_runtime": max_runtime,
         }
         async with self.db.system_conn() as conn:
-            cur = conn.cursor(row_factory=_BARE_ROWS)
+            cur = conn.cursor(row_factory=CLAIM_ROWS)
             rows = await (await cur.execute(BARE_CLAIM, params)).fetchall()
-        messages = [message for message, _ in rows if message is not None]
-        messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
-        return LaneClaim(messages, left_behind=False)
+        return lane_claim(rows)  # its backlog column is 0: it never says it left work behind
 
 
 class TimedStore(PgRunnerStore):

@@ -157,7 +157,18 @@ def complete_params(
     return {"acks": f"[{acks}]", "actor": actor, "now": now}
 
 
-_CLAIM_ROWS = message_rows("lane_pending")
+# A claim's rows: each (the message, or None on the row that only carries the backlog; the
+# lane's backlog as the claim found it).
+CLAIM_ROWS = message_rows("lane_pending")
+
+
+def lane_claim(rows: Sequence[tuple[Message | None, int]]) -> LaneClaim:
+    """A claim's rows (CLAIM_ROWS) as what it took, in claim order, and whether it left work
+    behind (a backlog larger than what it took)."""
+    messages = [message for message, _ in rows if message is not None]
+    found = rows[-1][1] if rows else 0
+    messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
+    return LaneClaim(messages, left_behind=found > len(messages))
 
 
 class PgMessageStore:
@@ -310,13 +321,10 @@ class PgMessageStore:
             "finished_tokens": "{" + ",".join(str(f.lease_token) for f in finished) + "}",
         }
         async with self.db.system_conn() as conn:
-            cur = conn.cursor(row_factory=_CLAIM_ROWS)
+            cur = conn.cursor(row_factory=CLAIM_ROWS)
             rows = await (await cur.execute(q("message_claim_lane"), params)).fetchall()
         # Every row carries the lane's backlog; a row of NULLs carries it when none was claimed.
-        messages = [message for message, _ in rows if message is not None]
-        found = rows[-1][1] if rows else 0
-        messages.sort(key=lambda m: (-m.priority, m.not_before, m.id))
-        return LaneClaim(messages, left_behind=found > len(messages))
+        return lane_claim(rows)
 
     async def heartbeat(
         self, lease: LeaseRef, *, extend: timedelta, now: datetime | None = None
