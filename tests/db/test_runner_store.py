@@ -441,6 +441,19 @@ async def test_expired_idempotency_keys_are_purged_in_batches(
     assert await _keys(db) == {}
 
 
+async def test_maintenance_rounds_drain_in_bounded_batches(rstore: PgRunnerStore) -> None:
+    """One maintenance round archives, and purges expired keys, batch after batch until a
+    short batch, and counts every row (batches of 2 here: 2 + 2 + 1)."""
+    bus = Bus(rstore, BusConfig(idempotency_retention=timedelta(days=1)))
+    await bus.enqueue_many([req(bus, f"r{i}", stage="c") for i in range(5)], now=T0)
+    done = await claim(rstore)
+    await rstore.complete([Completion(m.lease) for m in done], actor="w", now=T0)
+    maintenance = Maintenance(bus, rstore, archive_batch=2)
+    await maintenance.archive()  # the real clock: T0 is past the 7-day retention
+    await maintenance.purge_keys()  # and past the keys' one-day retention
+    assert (maintenance.archived, maintenance.keys_purged) == (5, 5)
+
+
 async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoints) -> None:
     # 1,000,000 finished messages (half archived) and a few pending ones: the claim must use
     # the partial index and read a bounded number of rows.
