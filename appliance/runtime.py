@@ -293,6 +293,7 @@ def runner_config(settings: Settings) -> RunnerConfig:
         drain_timeout=timedelta(seconds=r.drain_timeout_seconds),
         cancel_grace=timedelta(seconds=r.cancel_grace_seconds),
         claim_batch=r.claim_batch,
+        claim_ahead=r.claim_ahead,
         reclaim_every=timedelta(seconds=FALLBACK_RECLAIM_FACTOR * r.reclaim_interval_seconds),
         capability_wait=timedelta(seconds=r.capability_wait_seconds),
         max_hops=r.max_hops,

@@ -23,7 +23,7 @@ What it measures (median of 3 repeats, fresh data for every repeat, fsync on):
    2 s and 5 s (3 kills each).
 
 Diagnostic runs (labelled, not product figures) time every store call of the runner during a
-one-tenant drain and every step of an idle dispatch, try wider runner settings and
+one-tenant drain and every step of an idle dispatch, try the runner without claim-ahead and
 synchronous_commit=off, and cProfile one drain (`--no-profile` skips that), to show where the
 time goes.
 
@@ -156,7 +156,9 @@ QUICK = Sizes(
     diag_drain=1_000,
 )
 # What-if runner settings for the diagnostics (not the product defaults).
-WIDE = RunnerConfig(concurrency=32, tenant_limit=32, claim_batch=32)
+# Claim-ahead off, with the defaults it had before it: claims only into free slots (at most 10),
+# tenant limit 8 (one runner's concurrency).
+NO_AHEAD = RunnerConfig(claim_ahead=0, claim_batch=10, tenant_limit=8)
 
 
 async def until(check: Callable[[], bool], timeout: float, every: float = 0.01) -> bool:
@@ -1000,7 +1002,7 @@ class Diagnostics:
     n: int = 0
     timed_rate: float = float("nan")
     calls: dict[str, CallStats] = field(default_factory=dict)
-    wide_rate: float = float("nan")
+    no_ahead_rate: float = float("nan")
     nosync_rate: float = float("nan")
     # Where the runner's time goes: drains of sizes.drain with parts of the product taken away.
     drain_n: int = 0
@@ -1122,7 +1124,7 @@ async def diagnostics(side: BusSide, sizes: Sizes, profile: bool) -> Diagnostics
     sample, store = await side.drain(n, [TENANT], store_cls=TimedStore)
     d.timed_rate = sample.rate
     d.calls = store.stats if isinstance(store, TimedStore) else {}
-    d.wide_rate = (await side.drain(n, [TENANT], config=WIDE))[0].rate
+    d.no_ahead_rate = (await side.drain(n, [TENANT], config=NO_AHEAD))[0].rate
     await side.admin_sql(f"ALTER DATABASE {BUS_DB} SET synchronous_commit = off")
     try:
         d.nosync_rate = (await side.drain(n, [TENANT]))[0].rate
@@ -1493,8 +1495,9 @@ def _reading(r: Report) -> list[str]:
                 " before the interactive lane is claimed again."
             )
     out.append(
-        f"- what-if (NOT product defaults), {d.n:,} messages each: concurrency 32, tenant limit"
-        f" 32, claim batch 32: {fmt_rate(d.wide_rate)} msgs/s; synchronous_commit=off for the"
+        f"- what-if (NOT product defaults), {d.n:,} messages each: claim-ahead off (claims only"
+        " into free slots, claim batch 10, tenant limit 8, as before claim-ahead):"
+        f" {fmt_rate(d.no_ahead_rate)} msgs/s; synchronous_commit=off for the"
         f" whole database (acks not waiting for the WAL flush): {fmt_rate(d.nosync_rate)}"
         f" msgs/s; product defaults: {fmt_rate(d.timed_rate)} msgs/s."
     )
@@ -1568,9 +1571,9 @@ def render(r: Report) -> str:
         f"- Medians of {s.repeats} repeats, fresh data each (TRUNCATE + CHECKPOINT; prefilled"
         " tables ANALYZEd and CHECKPOINTed untimed). The runner is `Runner` with"
         " `RunnerConfig` defaults (concurrency 8 = 2 reserved interactive + 1 reserved system +"
-        " 5 shared, so at most 7 interactive at once; claim batch 10; tenant limit 8; lease"
-        " 30 s), wired like `run_runner` (own pools, stage-graph sync, PgDoorbell, maintenance"
-        " jobs) inside the benchmark process.",
+        " 5 shared, so at most 7 interactive at once; claim batch 32; claim-ahead 24; tenant"
+        " limit 32; lease 30 s), wired like `run_runner` (own pools, stage-graph sync,"
+        " PgDoorbell, maintenance jobs) inside the benchmark process.",
         f"- Throughput: {s.drain:,} no-op messages per repeat, rate = messages / (last"
         " finished_at - first claimed_at), both sides by the database clock; the raw side"
         " stamps claimed_at/finished_at in its claim and done UPDATEs (autocommit, durable)."
@@ -1610,7 +1613,7 @@ def render(r: Report) -> str:
         "### Where the time goes (computed from the figures above)",
         "",
         f"Diagnostic runs, NOT product figures: a drain of {d.n:,} no-ops (1 tenant) with every"
-        " store call the runner awaits timed; the same drain with wider runner settings and"
+        " store call the runner awaits timed; the same drain without claim-ahead and"
         " with synchronous_commit=off; EXPLAIN ANALYZE of the claim at two queue depths; one"
         " idle and one backlogged latency run with the doorbell's rings and every claim timed"
         " (steps: commit -> the ring that reached the runner's loop -> the claim that returned"

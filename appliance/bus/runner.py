@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
+from appliance.bus.claim_ahead import ClaimAhead
 from appliance.bus.governor import Admission, Governor
 from appliance.bus.slots import LaneSlots
 from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld
@@ -89,13 +90,20 @@ class RunnerConfig:
     concurrency: int = 8
     reserved_interactive: int = 2
     reserved_system: int = 1
-    tenant_limit: int = 8
+    # Leases a tenant may hold at once across all runners, claimed-ahead ones included (a
+    # tenant's own max_running overrides it). Room for one runner's slots and its claim-ahead,
+    # so that a lone tenant is not held below what one runner can do.
+    tenant_limit: int = 32
     lease: timedelta = timedelta(seconds=30)
     poll_interval: timedelta = timedelta(seconds=30)
     poll_jitter: float = 0.2
     drain_timeout: timedelta = timedelta(seconds=10)
     cancel_grace: timedelta = timedelta(seconds=5)
-    claim_batch: int = 10
+    # The most messages one claim asks for (free slots plus claim-ahead).
+    claim_batch: int = 32
+    # The most messages the runner holds leased beyond its free slots (see claim_ahead.py:
+    # only for stages quick enough that its slots finish them within two claim round trips).
+    claim_ahead: int = 24
     # How long finished results may wait for those of a claim in flight, to share one
     # acknowledgement statement (0 = send at once). Nothing waits on an acknowledgement but its
     # commit: slots are free when handlers return, and claims discount finished attempts.
@@ -143,6 +151,7 @@ class _Attempt:
     hard_cancel_at: float | None = None
     acked: bool = False
     slot_free: bool = False
+    started: float = 0.0  # monotonic, when it took its slot
 
     @property
     def lease(self) -> LeaseRef:
@@ -202,6 +211,8 @@ class Runner:
         )
         self.stats = RunnerStats()
         self._attempts: dict[int, _Attempt] = {}
+        self._ahead = ClaimAhead(self.config.claim_ahead)
+        self._backlogged: dict[Lane, bool] = {lane: False for lane in Lane}
         self._acks: list[tuple[_Attempt, Completion]] = []
         self._acking: list[tuple[_Attempt, Completion]] = []  # the batch being acknowledged
         self._ack_ready = asyncio.Event()
@@ -339,6 +350,8 @@ class Runner:
                 )
         total = 0
         for lane in CLAIM_ORDER:
+            # Its claimed-ahead messages first: they were claimed before anything asked now.
+            self._start_held(lane)
             free = self.slots.free(lane)
             if free <= 0 or lane not in self._maybe:
                 continue
@@ -384,12 +397,18 @@ class Runner:
     ) -> int | None:
         """One claim of `lane` into `free` slots (`reserved` of them held for it already);
         how many messages it started, None when the claim failed."""
-        asked = min(free, self.config.claim_batch)
+        ahead = 0
+        if not reserved and self._backlogged[lane]:
+            # Only behind a claim that got all it asked for: an idle lane's claim asks for its
+            # free slots alone, exactly as without claim-ahead.
+            ahead = self._ahead.allowance(lane, self.slots.capacity(lane))
+        asked = min(free + ahead, self.config.claim_batch)
         blocked, model_room = self._model_room()
         if model_room is not None:
             # A claim may return model work of any open tier: never more than it can queue.
             asked = max(1, min(asked, model_room))
         hints = self._hints[lane]
+        began = time.monotonic()
         try:
             found = await self.store.claim_lane(
                 worker=self.config.worker_id,
@@ -409,15 +428,21 @@ class Runner:
             return None
         finally:
             self.slots.give(lane, reserved)  # each message claimed takes its slot below
+        self._ahead.observe_claim(time.monotonic() - began)
         messages = found.messages
+        self._backlogged[lane] = len(messages) >= asked
         if len(messages) < asked and self._hints[lane] == hints:
             self._maybe.discard(lane)
         self._left_behind[lane] = found.left_behind
         if messages:
             # A claim that got all it asked for: a backlog, results arriving claim after claim.
             self._claims_full = len(messages) >= asked
+        now_mono = time.monotonic()
         for message in messages:
-            self._start(message)
+            self._ahead.hold(message, now_mono)
+        # Into the free slots now, in the order claimed, after any held before; the rest wait
+        # for slots (or, when stopping, are given back by the drain).
+        self._start_held(lane)
         self.stats.claimed += len(messages)
         if polled and self.doorbell is not None and self.doorbell.connected:
             missed = [m for m in messages if m.attempts == 1 and m.not_before <= m.created_at]
@@ -483,6 +508,24 @@ class Runner:
         candidates = [d for d in (message.deadline, run_deadline) if d is not None]
         return min(candidates) if candidates else None
 
+    def _start_held(self, lane: Lane) -> None:
+        """Start `lane`'s claimed-ahead messages into its free slots."""
+        if self._stopping:
+            return
+        while self._ahead.held(lane) and self.slots.free(lane) > 0:
+            message = self._ahead.pop(lane)
+            assert message is not None
+            self._start(message)
+
+    def _start_held_in_order(self) -> None:
+        """Start claimed-ahead messages into free slots, lanes in strict order: a lane that may
+        hold work and has room stops it there, so held work of a lower lane never takes a slot
+        before the claim of a higher one (the fill loop starts it after that claim)."""
+        for lane in CLAIM_ORDER:
+            self._start_held(lane)
+            if lane in self._maybe and self.slots.free(lane) > 0:
+                return
+
     def _start(self, message: Message) -> None:
         self.slots.take(message.lane)
         cancelled = asyncio.Event()
@@ -504,7 +547,9 @@ class Runner:
             inferrer=inferrer if self.inference is not None else None,
             writer=writer,
         )
-        attempt = _Attempt(message=message, context=context, cancelled=cancelled)
+        attempt = _Attempt(
+            message=message, context=context, cancelled=cancelled, started=time.monotonic()
+        )
         attempt_ref.append(attempt)
         stage = self.registry.stage(message.pipeline, message.stage)
         if stage is not None and stage.tier is not None and self.inference is not None:
@@ -893,7 +938,10 @@ class Runner:
     def _free_slot(self, attempt: _Attempt) -> None:
         if not attempt.slot_free:
             attempt.slot_free = True
-            self.slots.give(attempt.message.lane)
+            lane = attempt.message.lane
+            self.slots.give(lane)
+            self._ahead.observe_busy(lane, time.monotonic() - attempt.started)
+            self._start_held_in_order()
             # Claim into the slot for any lane that may hold work and can use it (the shared
             # slots serve every lane: a finished batch message makes room for interactive work
             # that rang while all slots were busy). A lane whose last claim came back short is
@@ -972,6 +1020,11 @@ class Runner:
 
     async def _heartbeat_once(self) -> None:
         now = time.monotonic()
+        # Claimed-ahead work is never heartbeated: held a whole interval (its slots were busier
+        # than measured, or a higher lane took them), it goes back for any runner to claim.
+        await self._give_back_held(
+            self._ahead.take_older_than(now - self.config.heartbeat_every.total_seconds())
+        )
         for attempt in list(self._attempts.values()):
             if attempt.hard_cancel_at is not None and now >= attempt.hard_cancel_at:
                 self._abandon(attempt)
@@ -1015,10 +1068,26 @@ class Runner:
 
     # -- shutdown -------------------------------------------------------------------------------
 
+    async def _give_back_held(self, messages: list[Message]) -> None:
+        """Give claimed-ahead messages back without counting an attempt: they never ran."""
+        if not messages:
+            return
+        try:
+            given = await self.store.release(
+                [m.lease for m in messages], actor=self.config.worker_id, now=None
+            )
+        except Exception:
+            log.exception("could not give back %d claimed-ahead leases; they lapse", len(messages))
+            return
+        self.stats.released += given
+        self._hint(*{m.lane for m in messages})
+        self._wake.set()
+
     async def _drain(self) -> None:
         if self._side_claim is not None:
-            # A claim in flight starts what it returns; the drain then deals with that too.
+            # A claim in flight holds what it returns (nothing starts while stopping).
             await asyncio.wait([self._side_claim], timeout=10.0)
+        await self._give_back_held(self._ahead.take_all())
         tasks = [a.task for a in self._attempts.values() if a.task is not None]
         if tasks:
             log.info("draining %d running handlers", len(tasks))
@@ -1066,6 +1135,7 @@ class Runner:
             "stats": {
                 "running": {lane.value: n for lane, n in self.slots.running.items()},
                 "concurrency": self.config.concurrency,
+                "claimed_ahead": len(self._ahead),
                 "late_acks": self.stats.late_acks,
                 "released": self.stats.released,
                 "abandoned": self.stats.abandoned,

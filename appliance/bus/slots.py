@@ -53,6 +53,14 @@ class LaneSlots:
             return shared_free + (own_s if own_s > 0 else 0)
         return shared_free
 
+    def capacity(self, lane: Lane) -> int:
+        """How many messages of `lane` may run at once when nothing else runs."""
+        if lane is Lane.INTERACTIVE:
+            return self.total - self.reserved_system
+        if lane is Lane.SYSTEM:
+            return self.total - self.reserved_interactive
+        return self.shared
+
     def own_free(self, lane: Lane) -> int:
         """How many of the slots reserved for `lane` are free (shared ones not counted)."""
         reserved = {Lane.INTERACTIVE: self.reserved_interactive, Lane.SYSTEM: self.reserved_system}

@@ -411,3 +411,155 @@ async def test_acknowledgements_linger_only_under_a_backlog(fresh_db: Endpoints)
             for mid in ids:
                 await wait_status(bus, mid, MessageStatus.DONE, timeout=20)
             assert runner.stats.completed == 200
+
+
+running_now = {"n": 0, "max": 0}
+
+
+async def counted(ctx: StageContext) -> StageResult:
+    running_now["n"] += 1
+    running_now["max"] = max(running_now["max"], running_now["n"])
+    try:
+        await asyncio.sleep(0)  # let other handlers start meanwhile, if any slot allows it
+        return ctx.finish({"ok": True})
+    finally:
+        running_now["n"] -= 1
+
+
+async def test_a_backlog_of_quick_stages_is_claimed_ahead_of_the_free_slots(
+    fresh_db: Endpoints,
+) -> None:
+    """Claims take more than the free slots (held, leased, started as slots free), yet never
+    more handlers run than the runner's concurrency, and each message is done once."""
+    pipes = [Pipeline("counted", (Stage("run", counted),))]
+    config = RunnerConfig(
+        worker_id="ahead",
+        concurrency=2,
+        reserved_interactive=1,
+        reserved_system=0,
+        claim_batch=8,
+        claim_ahead=6,
+        poll_interval=timedelta(seconds=60),
+    )
+    running_now.update(n=0, max=0)
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    try:
+        await PgTenantStore(db).add("acme")
+        store = _ClaimSizes(db)
+        store.sizes = []
+        await store.sync_pipelines(pipes)
+        async with serving(store, pipes, config, PgDoorbell(fresh_db.system)) as runner:
+            bus = Bus(store)
+            results = await bus.enqueue_many(
+                [bus.request(**request(bus, "counted", str(i))) for i in range(300)]
+            )
+            for r in results:
+                await wait_status(bus, r.id, MessageStatus.DONE)
+            assert runner.stats.completed == 300 and runner.stats.late_acks == 0
+        assert running_now["max"] <= 2
+        assert max(store.sizes) > 2, store.sizes  # claimed ahead of the two slots
+        assert max(store.sizes) <= 8  # never more than a claim asks for
+        assert runner.stats.released == 0  # nothing held long enough to be given back
+    finally:
+        await db.close()
+
+
+gate_ahead = asyncio.Event()
+
+
+async def gated_ahead(ctx: StageContext) -> StageResult:
+    await gate_ahead.wait()
+    return ctx.finish({"ok": True})
+
+
+AHEAD_PIPES = [
+    Pipeline("quick", (Stage("run", quick),)),
+    Pipeline("gated", (Stage("run", gated_ahead),)),
+]
+
+
+async def hold_some(bus: Bus, runner: Runner) -> tuple[list[int], int]:
+    """A backlog of quick work (the runner measures it and claims ahead), then, last in line,
+    six gated messages: the first to start takes the only slot and blocks, the claims made
+    before it started leave some of the others held. Returns the gated ids and how many are
+    held."""
+    quick_work = [bus.request(**request(bus, "quick", f"w{i}")) for i in range(40)]
+    gated_work = [bus.request(**request(bus, "gated", f"g{i}"), priority=-1) for i in range(6)]
+    results = await bus.enqueue_many(quick_work + gated_work)
+    for r in results[:40]:
+        await wait_status(bus, r.id, MessageStatus.DONE)
+    deadline = time.monotonic() + 5
+    while runner._info()["stats"]["claimed_ahead"] == 0:
+        assert time.monotonic() < deadline, runner._info()["stats"]
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # no claim can follow: the slot is busy
+    return [r.id for r in results[40:]], runner._info()["stats"]["claimed_ahead"]
+
+
+async def test_claimed_ahead_work_is_given_back_uncounted_when_the_runner_stops(
+    fresh_db: Endpoints,
+) -> None:
+    config = RunnerConfig(
+        worker_id="stopper",
+        concurrency=1,
+        reserved_interactive=0,
+        reserved_system=0,
+        claim_ahead=5,
+        drain_timeout=timedelta(seconds=0.3),
+        poll_interval=timedelta(seconds=60),
+    )
+    gate_ahead.clear()
+    try:
+        async with opened(fresh_db, AHEAD_PIPES) as store:
+            bus = Bus(store)
+            async with serving(store, AHEAD_PIPES, config, PgDoorbell(fresh_db.system)) as runner:
+                ids, held = await hold_some(bus, runner)
+            # The held ones never ran; the blocked one was given back after the drain timeout;
+            # the rest were never claimed.
+            assert runner.stats.released == held + 1
+            for mid in ids:
+                got = await bus.get("acme", mid)
+                assert got is not None
+                assert (got.status, got.attempts) == (MessageStatus.PENDING, 0)
+    finally:
+        gate_ahead.set()
+
+
+async def test_work_held_ahead_longer_than_a_heartbeat_interval_goes_back(
+    fresh_db: Endpoints,
+) -> None:
+    """A slot that stays busy far longer than measured: what was claimed ahead of it is given
+    back (no attempt counted) for any runner to take, not kept leased while it waits."""
+    config = RunnerConfig(
+        worker_id="holder",
+        concurrency=1,
+        reserved_interactive=0,
+        reserved_system=0,
+        claim_ahead=5,
+        lease=timedelta(seconds=0.9),  # heartbeats every 0.3 s
+        poll_interval=timedelta(seconds=60),
+    )
+    gate_ahead.clear()
+    async with opened(fresh_db, AHEAD_PIPES) as store:
+        bus = Bus(store)
+        async with serving(
+            store, AHEAD_PIPES, config, PgDoorbell(fresh_db.system), gate_ahead
+        ) as runner:
+            ids, held = await hold_some(bus, runner)
+            await asyncio.sleep(1.0)  # at least two heartbeats
+            assert runner._info()["stats"]["claimed_ahead"] == 0
+            assert runner.stats.released == held
+            seen = []
+            for mid in ids:
+                got = await bus.get("acme", mid)
+                assert got is not None
+                seen.append((got.status, got.attempts))
+            # The one in the slot still runs; those held went back, no attempt counted.
+            assert sorted(seen) == sorted(
+                [(MessageStatus.RUNNING, 1)] + [(MessageStatus.PENDING, 0)] * 5
+            ), seen
+            gate_ahead.set()  # the slot frees: all of them run, each once
+            for mid in ids:
+                await wait_status(bus, mid, MessageStatus.DONE)
+            assert runner.stats.late_acks == 0
