@@ -11,8 +11,9 @@ What is held this way is leased work that is not running, so it is kept small an
 - no more than the lane's slots finish within `window` claim round trips, judged from the
   measured time a slot stays busy and the measured claim round trip: slow stages (model work,
   handlers that wait on anything) get no claim-ahead at all;
-- the runner gives back (without counting an attempt) anything held longer than a heartbeat
-  interval, and all of it when it stops.
+- each held message has a time by which it must have started (the runner sets it well inside
+  its lease and its run deadline, which both count from the claim); the runner gives back
+  (without counting an attempt) whatever reaches it still held, and all of it when it stops.
 Held messages count as running against their tenant's limit: they are leased.
 """
 
@@ -29,10 +30,10 @@ from appliance.domain.errors import ConfigurationError
 SMOOTHING = 0.2
 
 
-@dataclass
-class _Held:
+@dataclass(frozen=True)
+class Held:
     message: Message
-    since: float  # monotonic seconds
+    due: float  # monotonic seconds: start it before this, or give it back
 
 
 class ClaimAhead:
@@ -45,7 +46,7 @@ class ClaimAhead:
             raise ConfigurationError(f"claim-ahead window must be positive, got {window}")
         self.limit = limit
         self.window = window
-        self._held: dict[Lane, collections.deque[_Held]] = {
+        self._held: dict[Lane, collections.deque[Held]] = {
             lane: collections.deque() for lane in Lane
         }
         self._busy: dict[Lane, float | None] = {lane: None for lane in Lane}
@@ -83,23 +84,29 @@ class ClaimAhead:
 
     # -- holding -------------------------------------------------------------------------------
 
-    def hold(self, message: Message, now: float) -> None:
-        self._held[message.lane].append(_Held(message, now))
+    def hold(self, message: Message, due: float) -> None:
+        self._held[message.lane].append(Held(message, due))
 
-    def pop(self, lane: Lane) -> Message | None:
+    def pop(self, lane: Lane) -> Held | None:
+        """The lane's longest-held message, taken out."""
         queue = self._held[lane]
-        return queue.popleft().message if queue else None
+        return queue.popleft() if queue else None
 
-    def take_older_than(self, cutoff: float) -> list[Message]:
-        """Remove and return every held message held since before `cutoff`."""
+    def next_due(self) -> float | None:
+        """The earliest time by which a held message must have started."""
+        return min((h.due for q in self._held.values() for h in q), default=None)
+
+    def take_due(self, now: float) -> list[Message]:
+        """Remove and return every held message whose time to start has come."""
         taken: list[Message] = []
-        for queue in self._held.values():
-            while queue and queue[0].since < cutoff:
-                taken.append(queue.popleft().message)
+        for lane, queue in self._held.items():
+            if any(h.due <= now for h in queue):
+                taken += [h.message for h in queue if h.due <= now]
+                self._held[lane] = collections.deque(h for h in queue if h.due > now)
         return taken
 
     def take_all(self) -> list[Message]:
-        return self.take_older_than(math.inf)
+        return self.take_due(math.inf)
 
 
 def _smooth(old: float | None, new: float) -> float:

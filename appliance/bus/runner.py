@@ -59,6 +59,9 @@ from appliance.domain.retry import RetryPolicy
 log = logging.getLogger("appliance.runner")
 
 CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
+# A claimed-ahead message must start within this share of what its lease and run deadline had
+# left when it was claimed (and within a heartbeat interval), or it is given back.
+HELD_SHARE_OF_LEASE = 0.25
 
 
 def _call_status(exc: BaseException) -> tuple[str, str]:
@@ -104,6 +107,8 @@ class RunnerConfig:
     # The most messages the runner holds leased beyond its free slots (see claim_ahead.py:
     # only for stages quick enough that its slots finish them within two claim round trips).
     claim_ahead: int = 24
+    # Claim round trips' worth of work the slots may have held for them (claim_ahead.py).
+    claim_ahead_window: float = 2.0
     # How long finished results may wait for those of a claim in flight, to share one
     # acknowledgement statement (0 = send at once). Nothing waits on an acknowledgement but its
     # commit: slots are free when handlers return, and claims discount finished attempts.
@@ -177,6 +182,7 @@ class RunnerStats:
     held_budget: int = 0
     deferred: int = 0
     budget_exhausted: int = 0
+    given_back_ahead: int = 0  # claimed-ahead messages given back unstarted (also in released)
 
 
 class Runner:
@@ -211,7 +217,10 @@ class Runner:
         )
         self.stats = RunnerStats()
         self._attempts: dict[int, _Attempt] = {}
-        self._ahead = ClaimAhead(self.config.claim_ahead)
+        self._ahead = ClaimAhead(self.config.claim_ahead, self.config.claim_ahead_window)
+        self._give_back_timer: asyncio.TimerHandle | None = None
+        self._giving_back: set[asyncio.Task[None]] = set()
+        self._held_tiers: dict[int, Tier] = {}  # held model work, by message id: its tier
         self._backlogged: dict[Lane, bool] = {lane: False for lane in Lane}
         self._acks: list[tuple[_Attempt, Completion]] = []
         self._acking: list[tuple[_Attempt, Completion]] = []  # the batch being acknowledged
@@ -278,6 +287,10 @@ class Runner:
             # Bounded: a side task that will not finish must not keep the process alive.
             await asyncio.wait(side, timeout=5.0)
             await self._flush_acks()
+            # A claim still in flight at the drain (it waited 10 s for it) may have held more.
+            if self._side_claim is not None:
+                self._side_claim.cancel()
+            await self._give_back_all_held()
             with contextlib.suppress(Exception):
                 await self.store.report_runner({**self._info(), "stopped_at": self.clock()})
             if self.doorbell is not None:
@@ -350,6 +363,8 @@ class Runner:
                 )
         total = 0
         for lane in CLAIM_ORDER:
+            if self._stop_requested():
+                break  # told to stop while an earlier lane's claim was in flight
             # Its claimed-ahead messages first: they were claimed before anything asked now.
             self._start_held(lane)
             free = self.slots.free(lane)
@@ -366,6 +381,9 @@ class Runner:
                 return total
             total += claimed
         return total
+
+    def _stop_requested(self) -> bool:
+        return self._stopping
 
     def _claim_interactive_beside(self) -> None:
         """An interactive ring while the fill loop awaits another lane's claim: claim for it
@@ -437,12 +455,12 @@ class Runner:
         if messages:
             # A claim that got all it asked for: a backlog, results arriving claim after claim.
             self._claims_full = len(messages) >= asked
-        now_mono = time.monotonic()
         for message in messages:
-            self._ahead.hold(message, now_mono)
+            self._hold(message)
         # Into the free slots now, in the order claimed, after any held before; the rest wait
         # for slots (or, when stopping, are given back by the drain).
         self._start_held(lane)
+        self._arm_give_back()
         self.stats.claimed += len(messages)
         if polled and self.doorbell is not None and self.doorbell.connected:
             missed = [m for m in messages if m.attempts == 1 and m.not_before <= m.created_at]
@@ -490,7 +508,9 @@ class Runner:
         return blocked, (min(rooms) if rooms else None)
 
     def _model_attempts(self, tier: Tier) -> int:
-        return sum(1 for a in self._attempts.values() if a.tier is tier and not a.slot_free)
+        # Held model work will want the pool too: a claim must not take more than it can queue.
+        held = sum(1 for t in self._held_tiers.values() if t is tier)
+        return held + sum(1 for a in self._attempts.values() if a.tier is tier and not a.slot_free)
 
     def _hint(self, *lanes: Lane) -> None:
         """These lanes may hold claimable work: ask them at the next fill."""
@@ -508,14 +528,64 @@ class Runner:
         candidates = [d for d in (message.deadline, run_deadline) if d is not None]
         return min(candidates) if candidates else None
 
+    def _hold(self, message: Message) -> None:
+        """Hold a claimed message until a slot frees, with a time by which it must start.
+
+        Its lease and its run deadline both count from the claim and held work is not
+        heartbeated, so it must start within a small share of either (and within a heartbeat
+        interval), or go back for any runner to claim."""
+        now = asyncio.get_running_loop().time()
+        limit = self.config.heartbeat_every.total_seconds()
+        ends = [d for d in (message.lease_expires_at, self._deadline_of(message)) if d is not None]
+        if ends:
+            left = (min(ends) - self.clock()).total_seconds()
+            limit = min(limit, max(0.0, left * HELD_SHARE_OF_LEASE))
+        self._ahead.hold(message, now + limit)
+        stage = self.registry.stage(message.pipeline, message.stage)
+        if stage is not None and stage.tier is not None and self.inference is not None:
+            found = route(stage.task_kind, self.inference.available())
+            if found is not None:
+                self._held_tiers[message.id] = found.tier
+
     def _start_held(self, lane: Lane) -> None:
         """Start `lane`'s claimed-ahead messages into its free slots."""
         if self._stopping:
             return
+        late: list[Message] = []
+        now = asyncio.get_running_loop().time()
         while self._ahead.held(lane) and self.slots.free(lane) > 0:
-            message = self._ahead.pop(lane)
-            assert message is not None
-            self._start(message)
+            held = self._ahead.pop(lane)
+            assert held is not None
+            self._held_tiers.pop(held.message.id, None)
+            if held.due <= now:
+                late.append(held.message)  # its time to start is over: it goes back
+            else:
+                self._start(held.message)
+        self._spawn_give_back(late)
+
+    def _arm_give_back(self) -> None:
+        """Keep one timer at the earliest time a held message must have started by."""
+        due = self._ahead.next_due()
+        timer = self._give_back_timer
+        if timer is not None and (due is None or timer.when() > due):
+            timer.cancel()
+            self._give_back_timer = timer = None
+        if due is not None and timer is None:
+            self._give_back_timer = asyncio.get_running_loop().call_at(due, self._give_back_due)
+
+    def _give_back_due(self) -> None:
+        self._give_back_timer = None
+        due = self._ahead.take_due(asyncio.get_running_loop().time())
+        for message in due:
+            self._held_tiers.pop(message.id, None)
+        self._spawn_give_back(due)
+        self._arm_give_back()
+
+    def _spawn_give_back(self, messages: list[Message]) -> None:
+        if messages:
+            task = asyncio.get_running_loop().create_task(self._give_back_held(messages))
+            self._giving_back.add(task)
+            task.add_done_callback(self._giving_back.discard)
 
     def _start_held_in_order(self) -> None:
         """Start claimed-ahead messages into free slots, lanes in strict order: a lane that may
@@ -1020,11 +1090,6 @@ class Runner:
 
     async def _heartbeat_once(self) -> None:
         now = time.monotonic()
-        # Claimed-ahead work is never heartbeated: held a whole interval (its slots were busier
-        # than measured, or a higher lane took them), it goes back for any runner to claim.
-        await self._give_back_held(
-            self._ahead.take_older_than(now - self.config.heartbeat_every.total_seconds())
-        )
         for attempt in list(self._attempts.values()):
             if attempt.hard_cancel_at is not None and now >= attempt.hard_cancel_at:
                 self._abandon(attempt)
@@ -1080,14 +1145,24 @@ class Runner:
             log.exception("could not give back %d claimed-ahead leases; they lapse", len(messages))
             return
         self.stats.released += given
+        self.stats.given_back_ahead += given
         self._hint(*{m.lane for m in messages})
         self._wake.set()
+
+    async def _give_back_all_held(self) -> None:
+        if self._give_back_timer is not None:
+            self._give_back_timer.cancel()
+            self._give_back_timer = None
+        self._held_tiers.clear()
+        await self._give_back_held(self._ahead.take_all())
+        if self._giving_back:
+            await asyncio.wait(list(self._giving_back), timeout=5.0)
 
     async def _drain(self) -> None:
         if self._side_claim is not None:
             # A claim in flight holds what it returns (nothing starts while stopping).
             await asyncio.wait([self._side_claim], timeout=10.0)
-        await self._give_back_held(self._ahead.take_all())
+        await self._give_back_all_held()
         tasks = [a.task for a in self._attempts.values() if a.task is not None]
         if tasks:
             log.info("draining %d running handlers", len(tasks))
@@ -1136,6 +1211,7 @@ class Runner:
                 "running": {lane.value: n for lane, n in self.slots.running.items()},
                 "concurrency": self.config.concurrency,
                 "claimed_ahead": len(self._ahead),
+                "given_back_ahead": self.stats.given_back_ahead,
                 "late_acks": self.stats.late_acks,
                 "released": self.stats.released,
                 "abandoned": self.stats.abandoned,

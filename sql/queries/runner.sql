@@ -187,7 +187,8 @@ LEFT JOIN beat ON beat.id = i.id
 LEFT JOIN agent_messages m ON m.id = i.id;
 
 -- name: message_release :many
--- Give leases back without counting the attempt (graceful shutdown): running -> pending now.
+-- Give leases back without counting the attempt (graceful shutdown, or claimed-ahead work that
+-- never started): running -> pending now, keeping its place in line (its not_before).
 WITH input AS (
     SELECT * FROM unnest(%(id)s::bigint[], %(token)s::bigint[]) AS i(id, token)
 )
@@ -196,7 +197,7 @@ SET status = 'pending',
     attempts = greatest(m.attempts - 1, 0),
     lease_expires_at = NULL,
     lease_token = NULL,
-    not_before = coalesce(%(now)s::timestamptz, now()),
+    not_before = least(m.not_before, coalesce(%(now)s::timestamptz, now())),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = 'released',
     status_actor = %(actor)s

@@ -375,6 +375,20 @@ async def test_release_gives_back_without_counting_an_attempt(rstore: PgRunnerSt
     assert got is not None and got.status is MessageStatus.PENDING and got.attempts == 0
 
 
+async def test_released_work_keeps_its_place_in_line(rstore: PgRunnerStore) -> None:
+    # Given back unstarted (claimed ahead, or at shutdown), it is next again: not sent behind
+    # work enqueued after it.
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, "first")], now=T0)
+    await bus.enqueue_many([req(bus, "second")], now=T0 + timedelta(seconds=1))
+    (m,) = await claim(rstore, limit=1, now=T0 + timedelta(seconds=2))
+    assert m.source_id == "first"
+    later = T0 + timedelta(seconds=5)
+    assert await rstore.release([m.lease], actor="w", now=later) == 1
+    (again,) = await claim(rstore, limit=1, now=later)
+    assert again.id == m.id and again.attempts == 1
+
+
 async def test_archive_keeps_log_and_idempotency_reachable(
     rstore: PgRunnerStore, db: Database
 ) -> None:

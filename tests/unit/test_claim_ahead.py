@@ -51,12 +51,12 @@ def test_quick_stages_get_up_to_the_limit_less_what_is_held() -> None:
     ahead = measured(limit=24)
     assert ahead.allowance(Lane.INTERACTIVE, 7) == 24
     for i in range(10):
-        ahead.hold(msg(i), now=0.0)
+        ahead.hold(msg(i), due=1.0)
     assert ahead.allowance(Lane.INTERACTIVE, 7) == 14
     # The limit is the runner's, over every lane.
     assert ahead.allowance(Lane.BATCH, 5) == 14
     for i in range(10, 24):
-        ahead.hold(msg(i, Lane.BATCH), now=0.0)
+        ahead.hold(msg(i, Lane.BATCH), due=1.0)
     assert ahead.allowance(Lane.INTERACTIVE, 7) == 0
 
 
@@ -86,24 +86,39 @@ def test_estimates_follow_a_change_in_stage_speed() -> None:
 
 def test_held_messages_come_out_first_in_first_out_per_lane() -> None:
     ahead = ClaimAhead(8)
-    ahead.hold(msg(1), now=0.0)
-    ahead.hold(msg(2, Lane.BATCH), now=0.0)
-    ahead.hold(msg(3), now=0.0)
+    ahead.hold(msg(1), due=9.0)
+    ahead.hold(msg(2, Lane.BATCH), due=9.0)
+    ahead.hold(msg(3), due=5.0)
     assert len(ahead) == 3 and ahead.held(Lane.INTERACTIVE) == 2
-    assert [ahead.pop(Lane.INTERACTIVE), ahead.pop(Lane.INTERACTIVE)] == [msg(1), msg(3)]
+    first, second = ahead.pop(Lane.INTERACTIVE), ahead.pop(Lane.INTERACTIVE)
+    assert first is not None and second is not None
+    assert (first.message, first.due, second.message, second.due) == (msg(1), 9.0, msg(3), 5.0)
     assert ahead.pop(Lane.INTERACTIVE) is None
-    assert ahead.pop(Lane.BATCH) == msg(2, Lane.BATCH)
+    held = ahead.pop(Lane.BATCH)
+    assert held is not None and held.message == msg(2, Lane.BATCH)
 
 
-def test_long_held_messages_are_taken_out_to_be_given_back() -> None:
+def test_messages_whose_time_to_start_came_are_taken_out_to_be_given_back() -> None:
+    # Each has its own time (a short run deadline makes it early), in any order of holding.
     ahead = ClaimAhead(8)
-    ahead.hold(msg(1), now=1.0)
-    ahead.hold(msg(2, Lane.SYSTEM), now=2.0)
-    ahead.hold(msg(3), now=5.0)
-    assert ahead.take_older_than(3.0) == [msg(1), msg(2, Lane.SYSTEM)]
-    assert len(ahead) == 1
-    assert ahead.take_all() == [msg(3)]
-    assert len(ahead) == 0
+    ahead.hold(msg(1), due=4.0)
+    ahead.hold(msg(2), due=1.0)
+    ahead.hold(msg(3, Lane.SYSTEM), due=2.0)
+    ahead.hold(msg(4), due=9.0)
+    assert ahead.next_due() == 1.0
+    assert ahead.take_due(3.0) == [msg(2), msg(3, Lane.SYSTEM)]
+    assert len(ahead) == 2 and ahead.next_due() == 4.0
+    popped = ahead.pop(Lane.INTERACTIVE)
+    assert popped is not None and popped.message == msg(1)  # still first in line
+    assert ahead.take_all() == [msg(4)]
+    assert len(ahead) == 0 and ahead.next_due() is None
+
+
+def test_a_wide_window_holds_up_to_the_limit_whatever_the_rates() -> None:
+    ahead = ClaimAhead(5, window=1e9)
+    ahead.observe_claim(0.001)
+    ahead.observe_busy(Lane.INTERACTIVE, 10.0)
+    assert ahead.allowance(Lane.INTERACTIVE, 1) == 5
 
 
 def test_bad_settings_are_refused_by_name() -> None:
