@@ -59,8 +59,9 @@ from appliance.domain.retry import RetryPolicy
 log = logging.getLogger("appliance.runner")
 
 CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
-# A claimed-ahead message must start within this share of what its lease and run deadline had
-# left when it was claimed (and within a heartbeat interval), or it is given back.
+# A claimed-ahead message must start within this share of what its lease (which ends at its run
+# deadline if that comes first) had left when it was claimed, and within a heartbeat interval,
+# or it is given back.
 HELD_SHARE_OF_LEASE = 0.25
 
 
@@ -455,8 +456,9 @@ class Runner:
         if messages:
             # A claim that got all it asked for: a backlog, results arriving claim after claim.
             self._claims_full = len(messages) >= asked
+        now, wall = asyncio.get_running_loop().time(), self.clock()
         for message in messages:
-            self._hold(message)
+            self._hold(message, now, wall)
         # Into the free slots now, in the order claimed, after any held before; the rest wait
         # for slots (or, when stopping, are given back by the drain).
         self._start_held(lane)
@@ -528,35 +530,39 @@ class Runner:
         candidates = [d for d in (message.deadline, run_deadline) if d is not None]
         return min(candidates) if candidates else None
 
-    def _hold(self, message: Message) -> None:
+    def _hold(self, message: Message, now: float, wall: datetime) -> None:
         """Hold a claimed message until a slot frees, with a time by which it must start.
 
-        Its lease and its run deadline both count from the claim and held work is not
-        heartbeated, so it must start within a small share of either (and within a heartbeat
-        interval), or go back for any runner to claim."""
-        now = asyncio.get_running_loop().time()
+        Its lease counts from the claim (the claim ends it at the run deadline if that comes
+        first) and held work is not heartbeated, so it must start within a small share of the
+        lease (and within a heartbeat interval), or go back for any runner to claim.
+        `now` is the loop's clock, `wall` the clock leases are compared with."""
         limit = self.config.heartbeat_every.total_seconds()
-        ends = [d for d in (message.lease_expires_at, self._deadline_of(message)) if d is not None]
-        if ends:
-            left = (min(ends) - self.clock()).total_seconds()
-            limit = min(limit, max(0.0, left * HELD_SHARE_OF_LEASE))
+        end = message.lease_expires_at
+        if end is not None:
+            limit = min(limit, max(0.0, (end - wall).total_seconds() * HELD_SHARE_OF_LEASE))
         self._ahead.hold(message, now + limit)
-        stage = self.registry.stage(message.pipeline, message.stage)
-        if stage is not None and stage.tier is not None and self.inference is not None:
-            found = route(stage.task_kind, self.inference.available())
-            if found is not None:
-                self._held_tiers[message.id] = found.tier
+        if self.inference is not None:
+            stage = self.registry.stage(message.pipeline, message.stage)
+            if stage is not None and stage.tier is not None:
+                found = route(stage.task_kind, self.inference.available())
+                if found is not None:
+                    self._held_tiers[message.id] = found.tier
 
     def _start_held(self, lane: Lane) -> None:
         """Start `lane`'s claimed-ahead messages into its free slots."""
         if self._stopping:
             return
+        n = min(self._ahead.held(lane), self.slots.free(lane))
+        if n <= 0:
+            return
         late: list[Message] = []
         now = asyncio.get_running_loop().time()
-        while self._ahead.held(lane) and self.slots.free(lane) > 0:
+        for _ in range(n):  # each start takes one free slot
             held = self._ahead.pop(lane)
             assert held is not None
-            self._held_tiers.pop(held.message.id, None)
+            if self._held_tiers:
+                self._held_tiers.pop(held.message.id, None)
             if held.due <= now:
                 late.append(held.message)  # its time to start is over: it goes back
             else:
