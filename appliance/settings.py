@@ -79,13 +79,13 @@ class RunnerSettings(BaseModel):
     reserved_interactive: int = Field(default=2, ge=0)
     reserved_system: int = Field(default=1, ge=0)
     # Default limit of each tenant's leases across all runners, claimed-ahead ones included (a
-    # tenant's own max_running overrides it).
-    tenant_limit: int = Field(default=32, ge=1)
+    # tenant's own max_running overrides it); unset: concurrency + claim_ahead.
+    tenant_limit: int | None = Field(default=None, ge=1)
     # The most messages one claim asks for.
-    claim_batch: int = Field(default=32, ge=1, le=1000)
+    claim_batch: int = Field(default=48, ge=1, le=1000)
     # The most messages a runner holds leased beyond its free slots, for quick stages only
     # (0 turns claim-ahead off).
-    claim_ahead: int = Field(default=24, ge=0, le=1000)
+    claim_ahead: int = Field(default=40, ge=0, le=1000)
     # LISTEN/NOTIFY wake-ups; off means the runner relies on the fallback poll alone.
     listen: bool = True
     poll_interval_seconds: float = Field(default=30.0, gt=0)

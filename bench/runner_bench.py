@@ -115,6 +115,10 @@ SETTINGS_SHOWN = (
 
 # Targets from the issue.
 TARGET_RATE = 6_700.0
+# The issue's reference figures were measured on this box when the raw baseline drained about
+# 23,000 msgs/s. The box is shared and its speed drifts by a fifth within an hour, so the
+# reference rate is also judged as that share of this run's raw baseline.
+REFERENCE_RAW_RATE = 23_000.0
 TARGET_RATE_RATIO = 0.5
 TARGET_LATENCY_RATIO = 1.5
 TARGET_ISOLATION_RATIO = 2.0
@@ -1046,7 +1050,7 @@ async def explain_claim(side: BusSide, pending: int, limit: int = 7) -> Explaine
         "lane": Lane.INTERACTIVE.value,
         "limit": limit,
         "lease": timedelta(seconds=30),
-        "tenant_limit": RunnerConfig().tenant_limit,
+        "tenant_limit": RunnerConfig().tenant_cap,
         "tenant": None,
         "max_runtime": timedelta(minutes=10),  # the store's default for undeclared stages
         "blocked_tiers": [],
@@ -1341,6 +1345,16 @@ def _targets(r: Report) -> list[tuple[str, str, bool]]:
             )
         )
         ratio = _ratio(m.median, r.raw_drain.median)
+        share = TARGET_RATE / REFERENCE_RAW_RATE
+        out.append(
+            (
+                f"throughput ahead of the reference queue as a share of raw ({TARGET_RATE:,.0f}"
+                f" / {REFERENCE_RAW_RATE:,.0f} = {share:.2f} x raw, this run's box speed),"
+                f" {how}",
+                f"{ratio:.2f} x ({fmt_rate(m.median)} vs {fmt_rate(r.raw_drain.median)})",
+                ratio >= share,
+            )
+        )
         out.append(
             (
                 f"throughput >= {TARGET_RATE_RATIO} x raw (the aim), {how}",
@@ -1571,9 +1585,9 @@ def render(r: Report) -> str:
         f"- Medians of {s.repeats} repeats, fresh data each (TRUNCATE + CHECKPOINT; prefilled"
         " tables ANALYZEd and CHECKPOINTed untimed). The runner is `Runner` with"
         " `RunnerConfig` defaults (concurrency 8 = 2 reserved interactive + 1 reserved system +"
-        " 5 shared, so at most 7 interactive at once; claim batch 32; claim-ahead 24; tenant"
-        " limit 32; lease 30 s), wired like `run_runner` (own pools, stage-graph sync,"
-        " PgDoorbell, maintenance jobs) inside the benchmark process.",
+        " 5 shared, so at most 7 interactive at once; claim batch 48; claim-ahead 40; tenant"
+        " limit 48 = concurrency + claim-ahead; lease 30 s), wired like `run_runner` (own"
+        " pools, stage-graph sync, PgDoorbell, maintenance jobs) inside the benchmark process.",
         f"- Throughput: {s.drain:,} no-op messages per repeat, rate = messages / (last"
         " finished_at - first claimed_at), both sides by the database clock; the raw side"
         " stamps claimed_at/finished_at in its claim and done UPDATEs (autocommit, durable)."

@@ -95,19 +95,19 @@ class RunnerConfig:
     reserved_interactive: int = 2
     reserved_system: int = 1
     # Leases a tenant may hold at once across all runners, claimed-ahead ones included (a
-    # tenant's own max_running overrides it). Room for one runner's slots and its claim-ahead,
-    # so that a lone tenant is not held below what one runner can do.
-    tenant_limit: int = 32
+    # tenant's own max_running overrides it). None: what one runner can hold (concurrency +
+    # claim_ahead), so that a lone tenant is not held below what one runner can do.
+    tenant_limit: int | None = None
     lease: timedelta = timedelta(seconds=30)
     poll_interval: timedelta = timedelta(seconds=30)
     poll_jitter: float = 0.2
     drain_timeout: timedelta = timedelta(seconds=10)
     cancel_grace: timedelta = timedelta(seconds=5)
     # The most messages one claim asks for (free slots plus claim-ahead).
-    claim_batch: int = 32
+    claim_batch: int = 48
     # The most messages the runner holds leased beyond its free slots (see claim_ahead.py:
     # only for stages quick enough that its slots finish them within two claim round trips).
-    claim_ahead: int = 24
+    claim_ahead: int = 40
     # Claim round trips' worth of work the slots may have held for them (claim_ahead.py).
     claim_ahead_window: float = 2.0
     # How long finished results may wait for those of a claim in flight, to share one
@@ -129,6 +129,13 @@ class RunnerConfig:
     budget_hold_max: timedelta = timedelta(days=32)
     # How soon work that found the cap held by calls in flight tries again.
     budget_busy_delay: timedelta = timedelta(seconds=1)
+
+    @property
+    def tenant_cap(self) -> int:
+        """The limit of a tenant without its own max_running."""
+        if self.tenant_limit is not None:
+            return self.tenant_limit
+        return self.concurrency + self.claim_ahead
 
     @property
     def heartbeat_every(self) -> timedelta:
@@ -434,7 +441,7 @@ class Runner:
                 lane=lane,
                 limit=asked,
                 lease=self.config.lease,
-                tenant_limit=self.config.tenant_limit,
+                tenant_limit=self.config.tenant_cap,
                 now=None,
                 blocked_tiers=blocked,
                 # Handlers done, outcomes on their way: the database counts them as running
