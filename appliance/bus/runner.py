@@ -391,6 +391,8 @@ class Runner:
         return total
 
     def _stop_requested(self) -> bool:
+        """The stop flag, read afresh (a method: checked after an await, where the flag may
+        have changed since the last look)."""
         return self._stopping
 
     def _claim_interactive_beside(self) -> None:

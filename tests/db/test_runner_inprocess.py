@@ -563,3 +563,65 @@ async def test_held_work_goes_back_before_its_run_deadline_would_pass(
             for mid in ids:
                 await wait_status(bus, mid, MessageStatus.DONE)
             assert runner.stats.late_acks == 0 and runner.stats.failed == 0
+
+
+started: list[tuple[str, str]] = []
+gates: dict[str, asyncio.Event] = {}
+
+
+async def noted(ctx: StageContext) -> StageResult:
+    started.append((ctx.message.lane.value, ctx.message.source_id))
+    return ctx.finish({"ok": True})
+
+
+async def noted_gated(ctx: StageContext) -> StageResult:
+    started.append((ctx.message.lane.value, ctx.message.source_id))
+    await gates.setdefault(ctx.message.source_id, asyncio.Event()).wait()
+    return ctx.finish({"ok": True})
+
+
+async def test_held_batch_work_waits_for_interactive_work_that_rang(fresh_db: Endpoints) -> None:
+    """Batch work claimed ahead does not take a freed slot while interactive work waits: the
+    slot goes to the interactive claim first (strict lane order), the held batch work after."""
+    pipes = [
+        Pipeline("bulk", (Stage("run", noted, lane=Lane.BATCH),)),
+        Pipeline("bulkgated", (Stage("run", noted_gated, lane=Lane.BATCH),)),
+        Pipeline("probe", (Stage("run", noted),)),
+    ]
+    started.clear()
+    gates.clear()
+    config = ahead_config("strict")
+    try:
+        async with opened(fresh_db, pipes) as store:
+            bus = Bus(store)
+            async with serving(store, pipes, config, PgDoorbell(fresh_db.system)) as runner:
+                quick_work = [
+                    bus.request(**request(bus, "bulk", f"w{i}"), lane=Lane.BATCH) for i in range(40)
+                ]
+                gated_work = [
+                    bus.request(**request(bus, "bulkgated", f"g{i}"), lane=Lane.BATCH, priority=-1)
+                    for i in range(8)
+                ]
+                results = await bus.enqueue_many(quick_work + gated_work)
+                deadline = time.monotonic() + 10
+                while (
+                    len(blocking := [sid for _, sid in started if sid.startswith("g")]) < 2
+                    or runner._info()["stats"]["claimed_ahead"] == 0
+                ):
+                    assert time.monotonic() < deadline, (started, runner._info()["stats"])
+                    await asyncio.sleep(0.01)
+                assert len(blocking) == 2 and runner.slots.busy == 2
+                probe = await bus.enqueue(**request(bus, "probe", "p"))
+                await asyncio.sleep(0.3)  # rung; no slot is free
+                before = len(started)
+                gates.setdefault(blocking[0], asyncio.Event()).set()  # one slot frees
+                await wait_status(bus, probe.id, MessageStatus.DONE, timeout=5)
+                assert started[before] == ("interactive", "p"), started[before:]
+                for i in range(8):
+                    gates.setdefault(f"g{i}", asyncio.Event()).set()
+                for r in results:  # the rest, held or given back meanwhile, run once each
+                    await wait_status(bus, r.id, MessageStatus.DONE, timeout=5)
+                assert runner.stats.late_acks == 0
+    finally:
+        for event in gates.values():
+            event.set()
