@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from appliance.domain.envelope import Lane, Message
@@ -57,6 +58,10 @@ class ClaimAhead:
 
     def held(self, lane: Lane) -> int:
         return len(self._held[lane])
+
+    def messages(self) -> Iterator[Message]:
+        """Every held message, lane by lane."""
+        return (h.message for q in self._held.values() for h in q)
 
     # -- measurements ------------------------------------------------------------------------
 

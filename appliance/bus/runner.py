@@ -228,7 +228,6 @@ class Runner:
         self._ahead = ClaimAhead(self.config.claim_ahead, self.config.claim_ahead_window)
         self._give_back_timer: asyncio.TimerHandle | None = None
         self._giving_back: set[asyncio.Task[None]] = set()
-        self._held_tiers: dict[int, Tier] = {}  # held model work, by message id: its tier
         self._backlogged: dict[Lane, bool] = {lane: False for lane in Lane}
         self._acks: list[tuple[_Attempt, Completion]] = []
         self._acking: list[tuple[_Attempt, Completion]] = []  # the batch being acknowledged
@@ -520,8 +519,18 @@ class Runner:
 
     def _model_attempts(self, tier: Tier) -> int:
         # Held model work will want the pool too: a claim must not take more than it can queue.
-        held = sum(1 for t in self._held_tiers.values() if t is tier)
+        held = sum(1 for m in self._ahead.messages() if self._tier_of(m) is tier)
         return held + sum(1 for a in self._attempts.values() if a.tier is tier and not a.slot_free)
+
+    def _tier_of(self, message: Message) -> Tier | None:
+        """The pool tier a message's model work would be routed to now (None: no model work)."""
+        if self.inference is None:
+            return None
+        stage = self.registry.stage(message.pipeline, message.stage)
+        if stage is None or stage.tier is None:
+            return None
+        found = route(stage.task_kind, self.inference.available())
+        return found.tier if found is not None else None
 
     def _hint(self, *lanes: Lane) -> None:
         """These lanes may hold claimable work: ask them at the next fill."""
@@ -551,12 +560,6 @@ class Runner:
         if end is not None:
             limit = min(limit, max(0.0, (end - wall).total_seconds() * HELD_SHARE_OF_LEASE))
         self._ahead.hold(message, now + limit)
-        if self.inference is not None:
-            stage = self.registry.stage(message.pipeline, message.stage)
-            if stage is not None and stage.tier is not None:
-                found = route(stage.task_kind, self.inference.available())
-                if found is not None:
-                    self._held_tiers[message.id] = found.tier
 
     def _start_held(self, lane: Lane) -> None:
         """Start `lane`'s claimed-ahead messages into its free slots."""
@@ -570,8 +573,6 @@ class Runner:
         for _ in range(n):  # each start takes one free slot
             held = self._ahead.pop(lane)
             assert held is not None
-            if self._held_tiers:
-                self._held_tiers.pop(held.message.id, None)
             if held.due <= now:
                 late.append(held.message)  # its time to start is over: it goes back
             else:
@@ -591,8 +592,6 @@ class Runner:
     def _give_back_due(self) -> None:
         self._give_back_timer = None
         due = self._ahead.take_due(asyncio.get_running_loop().time())
-        for message in due:
-            self._held_tiers.pop(message.id, None)
         self._spawn_give_back(due)
         self._arm_give_back()
 
@@ -636,10 +635,7 @@ class Runner:
             message=message, context=context, cancelled=cancelled, started=time.monotonic()
         )
         attempt_ref.append(attempt)
-        stage = self.registry.stage(message.pipeline, message.stage)
-        if stage is not None and stage.tier is not None and self.inference is not None:
-            found = route(stage.task_kind, self.inference.available())
-            attempt.tier = found.tier if found is not None else None
+        attempt.tier = self._tier_of(message)
         self._attempts[message.id] = attempt
         attempt.task = asyncio.create_task(self._execute(attempt), name=f"message-{message.id}")
 
@@ -1168,7 +1164,6 @@ class Runner:
         if self._give_back_timer is not None:
             self._give_back_timer.cancel()
             self._give_back_timer = None
-        self._held_tiers.clear()
         await self._give_back_held(self._ahead.take_all())
         if self._giving_back:
             await asyncio.wait(list(self._giving_back), timeout=5.0)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -54,14 +54,26 @@ PIPES = [
 ]
 
 
+S = TypeVar("S", bound=PgRunnerStore)
+
+
+def opened(
+    fresh_db: Endpoints, pipes: list[Pipeline]
+) -> AbstractAsyncContextManager[PgRunnerStore]:
+    """The product's store, as opened_as gives it."""
+    return opened_as(fresh_db, pipes, PgRunnerStore)
+
+
 @asynccontextmanager
-async def opened(fresh_db: Endpoints, pipes: list[Pipeline]) -> AsyncIterator[PgRunnerStore]:
-    """A store on its own pools, tenant `acme` added and `pipes` synced."""
+async def opened_as(
+    fresh_db: Endpoints, pipes: list[Pipeline], store_cls: type[S]
+) -> AsyncIterator[S]:
+    """A store (of `store_cls`) on its own pools, tenant `acme` added and `pipes` synced."""
     db = Database(fresh_db, max_size=8)
     await db.open()
     try:
         await PgTenantStore(db).add("acme")
-        store = PgRunnerStore(db)
+        store = store_cls(db)
         await store.sync_pipelines(pipes)
         yield store
     finally:
@@ -296,7 +308,9 @@ async def test_the_claim_path_reclaims_and_runs_stranded_work_without_a_doorbell
 class _ClaimSizes(PgRunnerStore):
     """The store, noting how many messages each claim returned."""
 
-    sizes: list[int]
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.sizes: list[int] = []
 
     async def claim_lane(self, **kw: Any) -> LaneClaim:
         found = await super().claim_lane(**kw)
@@ -316,13 +330,7 @@ async def test_a_tenant_at_its_limit_is_claimed_for_in_full_batches(fresh_db: En
         tenant_limit=4,
         poll_interval=timedelta(seconds=60),
     )
-    db = Database(fresh_db, max_size=8)
-    await db.open()
-    try:
-        await PgTenantStore(db).add("acme")
-        store = _ClaimSizes(db)
-        store.sizes = []
-        await store.sync_pipelines(PIPES)
+    async with opened_as(fresh_db, PIPES, _ClaimSizes) as store:
         async with serving(store, PIPES, config, PgDoorbell(fresh_db.system)) as runner:
             bus = Bus(store)
             await asyncio.sleep(0.3)  # the start-up claims of every lane are over
@@ -337,14 +345,14 @@ async def test_a_tenant_at_its_limit_is_claimed_for_in_full_batches(fresh_db: En
         first = next(i for i, n in enumerate(sizes) if n)
         last = max(i for i, n in enumerate(sizes) if n)
         assert sizes[first : last + 1] == [4] * 10, sizes
-    finally:
-        await db.close()
 
 
 class _GatedBatchClaims(PgRunnerStore):
     """The store, holding every batch-lane claim until `gate` opens."""
 
-    gate: asyncio.Event
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.gate = asyncio.Event()
 
     async def claim_lane(self, **kw: Any) -> LaneClaim:
         if kw["lane"] is Lane.BATCH:
@@ -362,13 +370,7 @@ async def test_an_interactive_ring_is_claimed_beside_a_batch_claim_in_flight(
         Pipeline("quick", (Stage("run", quick),)),
     ]
     config = RunnerConfig(worker_id="beside", poll_interval=timedelta(seconds=60))
-    db = Database(fresh_db, max_size=8)
-    await db.open()
-    try:
-        await PgTenantStore(db).add("acme")
-        store = _GatedBatchClaims(db)
-        store.gate = asyncio.Event()
-        await store.sync_pipelines(pipes)
+    async with opened_as(fresh_db, pipes, _GatedBatchClaims) as store:
         doorbell = PgDoorbell(fresh_db.system)
         async with serving(store, pipes, config, doorbell, store.gate) as runner:
             bus = Bus(store)
@@ -381,8 +383,6 @@ async def test_an_interactive_ring_is_claimed_beside_a_batch_claim_in_flight(
             store.gate.set()
             await wait_status(bus, held.id, MessageStatus.DONE, timeout=5)
             assert runner.stats.polls == 0
-    finally:
-        await db.close()
 
 
 async def test_acknowledgements_linger_only_under_a_backlog(fresh_db: Endpoints) -> None:
@@ -442,13 +442,7 @@ async def test_a_backlog_of_quick_stages_is_claimed_ahead_of_the_free_slots(
         poll_interval=timedelta(seconds=60),
     )
     running_now.update(n=0, max=0)
-    db = Database(fresh_db, max_size=8)
-    await db.open()
-    try:
-        await PgTenantStore(db).add("acme")
-        store = _ClaimSizes(db)
-        store.sizes = []
-        await store.sync_pipelines(pipes)
+    async with opened_as(fresh_db, pipes, _ClaimSizes) as store:
         async with serving(store, pipes, config, PgDoorbell(fresh_db.system)) as runner:
             bus = Bus(store)
             results = await bus.enqueue_many(
@@ -460,8 +454,6 @@ async def test_a_backlog_of_quick_stages_is_claimed_ahead_of_the_free_slots(
         assert running_now["max"] <= 2
         assert max(store.sizes) > 2, store.sizes  # claimed ahead of the two slots
         assert runner.stats.released == 0  # nothing held long enough to be given back
-    finally:
-        await db.close()
 
 
 gate_ahead = asyncio.Event()
