@@ -634,7 +634,8 @@ BEGIN
     -- reclaimed cannot take a hold the reclaimer would never see.
     IF p_message_id IS NOT NULL AND NOT EXISTS (
         SELECT FROM agent_messages am
-        WHERE am.id = p_message_id AND am.lease_token = p_lease_token AND am.status = 'running'
+        WHERE am.id = p_message_id AND am.lease_token = p_lease_token
+          AND am.lease_expires_at IS NOT NULL  -- running, by agent_messages_lease_check
     ) THEN
         RAISE EXCEPTION 'spend_reserve: message % is not running under lease %',
             p_message_id, p_lease_token USING ERRCODE = 'lock_not_available';

@@ -1,6 +1,13 @@
 -- Named queries of the envelope. Parameters are named (%(name)s) and always passed separately.
 -- Every `now` parameter may be NULL, which means the database clock (the production case);
 -- tests pass an injected time instead of sleeping.
+--
+-- A statement that writes one attempt under its lease finds the row by primary key and tells
+-- that it is running by `lease_expires_at IS NOT NULL`, which the table's check
+-- agent_messages_lease_check makes the same as `status = 'running'`. Written with the status,
+-- the condition would let the planner read the partial index of running messages instead: it
+-- looks empty on statistics taken before the running set grew, and the runtime keeps that
+-- generic plan, so every acknowledgement would read every running message.
 
 -- name: message_enqueue :many
 -- Insert a batch of requests (a JSON array in enqueue_requests' row layout, keys already unique in the batch) in one statement, scoped to `scope` (the tenant) when given; a key seen before returns its message (new = false) and creates no work.
@@ -31,7 +38,7 @@ done AS (
         status_reason = 'completed',
         status_actor = %(actor)s
     FROM input i
-    WHERE m.id = i.id AND m.lease_token = i.token AND m.status = 'running'
+    WHERE m.id = i.id AND m.lease_token = i.token AND m.lease_expires_at IS NOT NULL
     RETURNING m.id
 )
 SELECT i.id, done.id IS NOT NULL AS applied, m.status, m.lease_token = i.token AS same_lease
@@ -55,7 +62,7 @@ WITH failed AS (
         status_reason = CASE WHEN m.attempts >= m.max_attempts THEN 'attempts_exhausted'
                              ELSE 'attempt_failed' END,
         status_actor = %(actor)s
-    WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+    WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.lease_expires_at IS NOT NULL
     RETURNING m.status
 )
 SELECT (SELECT status FROM failed) AS new_status, m.status, m.lease_token = %(token)s AS same_lease

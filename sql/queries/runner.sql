@@ -1,4 +1,7 @@
 -- Named queries of the stage runner and its maintenance services.
+--
+-- Writes under a lease test `lease_expires_at IS NOT NULL` for "running" (the same thing, by the
+-- table's check), never the status: see the top of messages.sql.
 
 -- name: message_claim_lane :many
 -- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit (the caller's finished but unacknowledged attempts, `finished_ids`/`finished_tokens`, not counted), checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
@@ -164,7 +167,7 @@ mine AS MATERIALIZED (
     SELECT m.id
     FROM agent_messages m
     JOIN input i ON i.id = m.id AND i.token = m.lease_token
-    WHERE m.status = 'running'
+    WHERE m.lease_expires_at IS NOT NULL
     ORDER BY m.id
     FOR UPDATE OF m SKIP LOCKED
 ),
@@ -202,7 +205,7 @@ SET status = 'pending',
     status_reason = 'released',
     status_actor = %(actor)s
 FROM input i
-WHERE m.id = i.id AND m.lease_token = i.token AND m.status = 'running'
+WHERE m.id = i.id AND m.lease_token = i.token AND m.lease_expires_at IS NOT NULL
 RETURNING m.id;
 
 -- name: message_expire_running :one
@@ -215,7 +218,7 @@ SET status = 'expired',
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = %(reason)s,
     status_actor = %(actor)s
-WHERE id = %(id)s AND lease_token = %(token)s AND status = 'running'
+WHERE id = %(id)s AND lease_token = %(token)s AND lease_expires_at IS NOT NULL
 RETURNING id;
 
 -- name: message_archive :one
@@ -314,7 +317,7 @@ SET status = %(status)s::message_status,
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = %(reason)s,
     status_actor = %(actor)s
-WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.lease_expires_at IS NOT NULL
 RETURNING m.id;
 
 -- name: message_resume_capability :many
@@ -369,7 +372,7 @@ SET status = 'dead',
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = %(reason)s,
     status_actor = %(actor)s
-WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.lease_expires_at IS NOT NULL
 RETURNING m.id;
 
 -- name: message_defer :one
@@ -383,7 +386,7 @@ SET status = 'pending',
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = %(reason)s,
     status_actor = %(actor)s
-WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.status = 'running'
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.lease_expires_at IS NOT NULL
 RETURNING m.id;
 
 -- name: planner_stats_refresh :one

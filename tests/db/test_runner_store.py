@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -26,6 +25,7 @@ from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
 from appliance.domain.ports import AckOutcome, Completion
 from appliance.domain.schedule import Schedule
 from appliance.scheduler import Maintenance, fire, latest_fire_time
+from tests.db.plans import check_bounded_plan, explain, hot_reads, positional, prepare
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -516,7 +516,7 @@ async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoi
         await db.close()
     assert len(plans) == 2
     for plan in plans:
-        _check_bounded_plan(plan)
+        check_bounded_plan(plan)
 
 
 async def test_claim_plan_built_on_an_empty_table_stays_bounded(fresh_db: Endpoints) -> None:
@@ -558,14 +558,7 @@ async def test_claim_plan_built_on_an_empty_table_stays_bounded(fresh_db: Endpoi
         await db.close()
     assert len(plans) == 2
     for plan in plans:
-        _check_bounded_plan(plan)
-
-
-def _positional(statement: str) -> tuple[str, list[str]]:
-    """A named statement with $1, $2, ... for its %(name)s parameters (for PREPARE), and the
-    parameter names in that order."""
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
-    return re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement), names
+        check_bounded_plan(plan)
 
 
 async def _burst(bus: Bus, rstore: PgRunnerStore, *, claims: int) -> list[LeaseRef]:
@@ -606,17 +599,12 @@ async def test_kept_plans_are_remade_when_the_envelope_outgrows_its_statistics(
         await PgTenantStore(db).add("acme")
         rstore = PgRunnerStore(db)
         bus = Bus(rstore)
-        statements = ("message_complete", "message_heartbeat_many")
         async with db.system_pool.connection() as aconn:
             cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
-            calls = {}
-            for name in statements:
-                numbered, names = _positional(q(name))
-                types = ", ".join(_ACK_PARAM_TYPES[n] for n in names)
-                await aconn.execute(f"PREPARE {name} ({types}) AS {numbered}")
-                calls[name] = (
-                    "(" + ", ".join(f"%({n})s::{_ACK_PARAM_TYPES[n]}" for n in names) + ")"
-                )
+            calls = {
+                name: await prepare(aconn, name, _ACK_PARAM_TYPES)
+                for name in ("message_complete", "message_heartbeat_many")
+            }
             empty: dict[str, Any] = {
                 "acks": "[]",
                 "actor": "w",
@@ -625,13 +613,13 @@ async def test_kept_plans_are_remade_when_the_envelope_outgrows_its_statistics(
                 "token": [],
                 "extend": LEASE,
             }
-            for name in statements:  # the generic plans, made on the empty table
-                await cur.execute(f"EXECUTE {name}{calls[name]}", empty)
+            for call in calls.values():  # the generic plans, made on the empty table
+                await cur.execute(call, empty)
 
             # A backlog, and as many leases running as a few runners hold.
             running = await _burst(bus, rstore, claims=4)
 
-            async def explain(name: str, leases: list[LeaseRef]) -> dict[str, Any]:
+            async def ack_plan(name: str, leases: list[LeaseRef]) -> dict[str, Any]:
                 # Autocommit: a rollback would make the driver deallocate the prepared
                 # statements. The acknowledgements land; the heartbeats extend leases.
                 values = {
@@ -642,29 +630,23 @@ async def test_kept_plans_are_remade_when_the_envelope_outgrows_its_statistics(
                     "token": [x.lease_token for x in leases],
                     "extend": LEASE,
                 }
-                await cur.execute(
-                    f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {name}{calls[name]}", values
-                )
-                row = await cur.fetchone()
-                assert row is not None
-                plan: dict[str, Any] = row["QUERY PLAN"][0]
-                return plan
+                return await explain(cur, calls[name], values)
 
             # Precondition, or this test proves nothing: the plan kept from the empty table
             # reads the whole table to acknowledge ten messages.
-            before = await explain("message_complete", running[:10])
-            assert _hot_reads(before) >= 4000, "the kept plan was bounded already"
+            before = await ack_plan("message_complete", running[:10])
+            assert hot_reads(before) >= 4000, "the kept plan was bounded already"
 
             assert "agent_messages" in await rstore.refresh_planner_stats()
             assert await rstore.refresh_planner_stats() == []  # no growth since: nothing to do
             plans = [
-                await explain("message_complete", running[10:20]),
-                await explain("message_heartbeat_many", running[20:40]),
+                await ack_plan("message_complete", running[10:20]),
+                await ack_plan("message_heartbeat_many", running[20:40]),
             ]
     finally:
         await db.close()
     for plan in plans:
-        _check_bounded_plan(plan)
+        check_bounded_plan(plan)
 
 
 async def _claim_plans(
@@ -681,7 +663,7 @@ async def _claim_plans(
     async with db.system_pool.connection() as aconn:
         setting = await (await aconn.execute("SHOW plan_cache_mode")).fetchone()
         assert setting is not None and setting["plan_cache_mode"] == "force_generic_plan"
-        numbered, names = _positional(q("message_claim_lane"))
+        numbered, names = positional(q("message_claim_lane"))
         args = ", ".join(f"%({n})s::{_CLAIM_PARAM_TYPES[n]}" for n in names)
         types = ", ".join(_CLAIM_PARAM_TYPES[n] for n in names)
         # Values inlined client-side: EXECUTE's arguments cannot take protocol parameters
@@ -718,43 +700,6 @@ _CLAIM_PARAM_TYPES = {
     "finished_ids": "bigint[]",
     "finished_tokens": "bigint[]",
 }
-
-
-def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
-    found = [node]
-    for child in node.get("Plans", []):
-        found.extend(_plan_nodes(child))
-    return found
-
-
-def _hot_reads(plan: dict[str, Any]) -> int:
-    """Rows of agent_messages a plan read: returned, and read then filtered out or rechecked."""
-    return sum(
-        (
-            int(n.get("Actual Rows", 0))
-            + int(n.get("Rows Removed by Filter", 0))
-            + int(n.get("Rows Removed by Index Recheck", 0))
-        )
-        * int(n.get("Actual Loops", 1))
-        for n in _plan_nodes(plan["Plan"])
-        if n.get("Relation Name") == "agent_messages"
-    )
-
-
-def _check_bounded_plan(plan: dict[str, Any]) -> None:
-    all_nodes = _plan_nodes(plan["Plan"])
-    seq = [
-        n
-        for n in all_nodes
-        if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "agent_messages"
-    ]
-    assert seq == [], "the statement scanned the hot table sequentially"
-    hot_reads = _hot_reads(plan)
-    assert hot_reads <= 100, hot_reads
-    assert (
-        int(plan["Plan"]["Shared Hit Blocks"]) + int(plan["Plan"].get("Shared Read Blocks", 0))
-        < 2000
-    )
 
 
 def test_schedule_slots_are_stable() -> None:

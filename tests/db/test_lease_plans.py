@@ -1,0 +1,219 @@
+"""Writes under a lease read the row they write, whatever the statistics.
+
+Runtime connections keep one generic plan per statement (migration 0009). A plan made while
+few messages ran, on statistics that say none do, takes the partial index of running messages
+for empty; a statement that found its message through that index read every running message.
+Every statement fenced by (id, lease token) must find its row by primary key instead
+(migration 0013)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from appliance.bus.core import Bus
+from appliance.db.database import Database, Endpoints
+from appliance.db.runner_store import PgRunnerStore
+from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.envelope import Lane, LeaseRef
+from tests.db.plans import explain, hot_reads, plan_nodes, prepare
+
+RUNNING_INDEX = "agent_messages_lease_expires_at_idx"
+RUNNING = 1500  # messages running when the kept plans are used
+
+# Parameter types of the statements fenced by lease (PREPARE needs them).
+SCALAR = {
+    "now": "timestamptz",
+    "actor": "text",
+    "reason": "text",
+    "error": "text",
+    "id": "bigint",
+    "token": "bigint",
+    "retry_delay": "interval",
+    "delay": "interval",
+    "status": "text",
+    "waiting_for": "text",
+    "expires_at": "timestamptz",
+}
+ARRAYS = {**SCALAR, "id": "bigint[]", "token": "bigint[]", "extend": "interval", "acks": "jsonb"}
+FENCED = {
+    "message_complete": ARRAYS,
+    "message_heartbeat_many": ARRAYS,
+    "message_release": ARRAYS,
+    "message_fail": SCALAR,
+    "message_expire_running": SCALAR,
+    "message_park": SCALAR,
+    "message_terminate": SCALAR,
+    "message_defer": SCALAR,
+}
+# The hazard itself: the same probe written with the status.
+CONTROL = (
+    "PREPARE control (bigint, bigint) AS SELECT m.id FROM appliance.agent_messages m"
+    " WHERE m.id = $1 AND m.lease_token = $2 AND m.status = 'running'"
+)
+
+
+def values(name: str, leases: list[LeaseRef]) -> dict[str, Any]:
+    """Arguments of `name` for these leases (a statement of one lease takes the first)."""
+    return {
+        "acks": json.dumps([[x.message_id, x.lease_token, None, None] for x in leases]),
+        "id": [x.message_id for x in leases] if FENCED[name] is ARRAYS else leases[0].message_id,
+        "token": (
+            [x.lease_token for x in leases] if FENCED[name] is ARRAYS else leases[0].lease_token
+        ),
+        "now": None,
+        "actor": "w",
+        "reason": "test",
+        "error": "boom",
+        "retry_delay": "1 second",
+        "delay": "1 second",
+        "extend": "30 seconds",
+        "status": "waiting_capability",
+        "waiting_for": "small",
+        "expires_at": "infinity",
+    }
+
+
+@pytest.fixture
+async def quiet_db(fresh_db: Endpoints) -> AsyncIterator[Database]:
+    """A database whose statistics change only when the test says (no autovacuum)."""
+    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
+        conn.execute("ALTER TABLE appliance.agent_messages SET (autovacuum_enabled = off)")
+    db = Database(fresh_db, max_size=2)
+    await db.open()
+    try:
+        await PgTenantStore(db).add("acme")
+        yield db
+    finally:
+        await db.close()
+
+
+async def backlog(db: Database, n: int) -> None:
+    """`n` pending messages, then ANALYZE: the statistics say that nothing runs."""
+    bus = Bus(PgRunnerStore(db))
+    for start in range(0, n, 1000):
+        await bus.enqueue_many(
+            [
+                bus.request(
+                    tenant="acme",
+                    pipeline="p",
+                    stage="s",
+                    source="test",
+                    source_id=f"m{i}",
+                    directive="work",
+                )
+                for i in range(start, min(n, start + 1000))
+            ]
+        )
+    with psycopg.connect(db.endpoints.admin, autocommit=True) as conn:
+        conn.execute("ANALYZE appliance.agent_messages")
+
+
+async def take(rstore: PgRunnerStore, n: int) -> list[LeaseRef]:
+    leases: list[LeaseRef] = []
+    while len(leases) < n:
+        claim = await rstore.claim_lane(
+            worker="w",
+            lane=Lane.INTERACTIVE,
+            limit=min(100, n - len(leases)),
+            lease=timedelta(seconds=60),
+            tenant_limit=10**6,
+        )
+        assert claim.messages, "the backlog ran out"
+        leases.extend(m.lease for m in claim.messages)
+    return leases
+
+
+def reads_running_index(plan: dict[str, Any]) -> bool:
+    return any(n.get("Index Name") == RUNNING_INDEX for n in plan_nodes(plan["Plan"]))
+
+
+async def test_writes_under_a_lease_probe_by_key_with_plans_kept_from_before(
+    quiet_db: Database,
+) -> None:
+    rstore = PgRunnerStore(quiet_db)
+    await backlog(quiet_db, 4000)
+    async with quiet_db.system_pool.connection() as aconn:
+        setting = await (await aconn.execute("SHOW plan_cache_mode")).fetchone()
+        assert setting is not None and setting["plan_cache_mode"] == "force_generic_plan"
+        cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
+        calls = {name: await prepare(aconn, name, types) for name, types in FENCED.items()}
+        await aconn.execute(CONTROL)
+        # The generic plans, made while nothing runs (a lease no message holds: no change).
+        nobody = [LeaseRef(message_id=0, lease_token=0)]
+        for name, call in calls.items():
+            await cur.execute(call, values(name, nobody))
+        await cur.execute("EXECUTE control(0, 0)")
+
+        leases = await take(rstore, RUNNING)
+        # Autocommit: each EXPLAIN ANALYZE runs its statement for real (a rollback would make
+        # the driver deallocate the prepared statements).
+        first = {"id": leases[0].message_id, "token": leases[0].lease_token}
+        control = await explain(cur, "EXECUTE control(%(id)s::bigint, %(token)s::bigint)", first)
+        plans = {
+            name: await explain(cur, call, values(name, leases[1 + 10 * i : 11 + 10 * i]))
+            for i, (name, call) in enumerate(calls.items())
+        }
+    # Precondition, or this test proves nothing: the kept plan of the status probe reads every
+    # running message to find one.
+    assert reads_running_index(control) and hot_reads(control) >= RUNNING - 1
+    for name, plan in plans.items():
+        assert not reads_running_index(plan), name
+        assert hot_reads(plan) <= 40, (name, hot_reads(plan))
+        # And it did its work: the update wrote (and returned) its rows.
+        written = [n for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "ModifyTable"]
+        assert sum(int(n["Actual Rows"]) for n in written) >= 1, name
+
+
+async def test_spend_reserve_checks_its_lease_by_key_with_a_plan_kept_from_before(
+    quiet_db: Database,
+) -> None:
+    # The lease check inside spend_reserve() (every model call runs it) is a PL/pgSQL query:
+    # its plan is kept per session like a prepared statement's. auto_explain shows it.
+    rstore = PgRunnerStore(quiet_db)
+    await backlog(quiet_db, 3000)
+    plans: list[dict[str, Any]] = []
+
+    def on_notice(diag: psycopg.errors.Diagnostic) -> None:
+        text = diag.message_primary or ""
+        if "plan:" in text:
+            plan = json.loads(text.split("plan:", 1)[1])
+            if "agent_messages am" in plan["Query Text"]:
+                plans.append(plan)
+
+    async with await psycopg.AsyncConnection.connect(
+        quiet_db.endpoints.admin, autocommit=True
+    ) as conn:
+        conn.add_notice_handler(on_notice)
+        for setting in (
+            "LOAD 'auto_explain'",
+            "SET auto_explain.log_min_duration = 0",
+            "SET auto_explain.log_analyze = on",
+            "SET auto_explain.log_nested_statements = on",
+            "SET auto_explain.log_format = json",
+            "SET client_min_messages = log",
+            "SET plan_cache_mode = force_generic_plan",  # as on runtime connections
+            "SET search_path = appliance, pg_catalog",
+            "SET ROLE appliance_system",
+        ):
+            await conn.execute(setting)
+        reserve = (
+            "SELECT * FROM spend_reserve('acme', 'interactive', 0.01, %s, %s, 'p', 's',"
+            " 'generate', 'm', 'small', NULL)"
+        )
+        # The plan, made while nothing runs: a lease no message holds is refused.
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            await conn.execute(reserve, (0, 0))
+        leases = await take(rstore, RUNNING)
+        plans.clear()
+        await conn.execute(reserve, (leases[0].message_id, leases[0].lease_token))
+    assert len(plans) == 1, plans
+    (plan,) = plans
+    assert not reads_running_index(plan)
+    assert hot_reads(plan) <= 2
