@@ -15,9 +15,10 @@ What it measures (messages per second, median of 3 repeats, fresh data for every
 
 Diagnostic rows (clearly labelled, not product figures) follow: a bare round trip, the raw insert
 wrapped in the bus's transaction shape, the bus with its log triggers or NOTIFY switched off
-(scratch databases), claims against a shallow queue, and per-statement plans and timings of the
-Bus calls from auto_explain (ANALYZE, BUFFERS, nested statements and triggers included, which a
-top-level EXPLAIN of the named queries cannot show once they call PL/pgSQL).
+(scratch databases), claims against a shallow queue (also beside many messages held running,
+claimed after the last ANALYZE), and per-statement plans and timings of the Bus calls from
+auto_explain (ANALYZE, BUFFERS, nested statements and triggers included, which a top-level
+EXPLAIN of the named queries cannot show once they call PL/pgSQL).
 
 CPU is accounted per measurement (this process, the PostgreSQL processes, and the rest of the
 machine), because the box is shared: when other work ran meanwhile, the table says how much.
@@ -115,6 +116,7 @@ class Sizes:
     diag_single: int
     diag_claim: int
     rtt: int
+    held: int  # messages kept running beside one diagnostic's claims
     repeats: int = 3
 
 
@@ -126,6 +128,7 @@ FULL = Sizes(
     diag_single=1_000,
     diag_claim=2_000,
     rtt=5_000,
+    held=10_000,
 )
 QUICK = Sizes(
     single=400,
@@ -135,6 +138,7 @@ QUICK = Sizes(
     diag_single=200,
     diag_claim=500,
     rtt=500,
+    held=1_000,
 )
 
 
@@ -233,10 +237,17 @@ class BusTarget:
         assert m.sample is not None
         return m.sample
 
-    async def claim_complete(self, n: int, workers: int, limit: int) -> Sample:
+    async def claim_complete(self, n: int, workers: int, limit: int, held: int = 0) -> Sample:
+        """Claim and complete `n` messages; `held` more are claimed first (untimed) and kept
+        running throughout, claimed after the statistics were taken (as when a burst of slow
+        work outruns autovacuum)."""
         await self.reset()
-        await self.prefill(n)
+        await self.prefill(n + held)
         bus = self.bus
+        while held > 0:
+            taken = await bus.claim("holder", limit=min(held, 500))
+            assert taken, "the backlog ran out while taking the held messages"
+            held -= len(taken)
 
         async def worker(name: str) -> int:
             done = 0
@@ -846,6 +857,14 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
             ),
             (
                 Row(
+                    f"bus claim(10) + complete_many, 1 worker, {ns:,} pending, {s.held:,} more"
+                    " held running (claimed after the last ANALYZE)",
+                    _m("shallow, many running: claim10 x1"),
+                ),
+                lambda: bus.claim_complete(ns, 1, 10, held=s.held),
+            ),
+            (
+                Row(
                     f"raw claim10 + done, 4 workers, {ns:,} pending", _m("shallow: raw claim10 x4")
                 ),
                 lambda: raw.claim_complete(ns, 4, 10),
@@ -1066,6 +1085,13 @@ def _reading(report: Report) -> list[str]:
             f" {depth} but {fmt_rate(w1)} at {ns}; 4 workers {fmt_rate(cc_w4.bus.median)} vs"
             f" {fmt_rate(w4)}. At {ns} with the log triggers OFF: {fmt_rate(t1)} (1 worker),"
             f" {fmt_rate(t4)} (4 workers); raw at {ns}, 4 workers: {fmt_rate(r4)}."
+        )
+    many, alone = diag.get("shallow, many running: claim10 x1"), diag.get("shallow: claim10 x1")
+    if many and alone:
+        out.append(
+            f"- with {report.sizes.held:,} more messages running, claimed after the last"
+            f" ANALYZE: claim(10) + complete_many, 1 worker, {fmt_rate(many.median)} msgs/s,"
+            f" {many.median / alone.median:.2f}x the rate without them in this run."
         )
     enq = by_name.get(f"bus.enqueue_many ({BATCH:,}), {report.sizes.diag_claim:,} pending")
     if enq:
