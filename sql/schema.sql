@@ -446,7 +446,8 @@ BEGIN
     END IF;
     FOREACH t IN ARRAY ARRAY[
         'appliance.agent_messages', 'appliance.message_transitions',
-        'appliance.idempotency_keys', 'appliance.spend_ledger', 'appliance.inference_calls'
+        'appliance.idempotency_keys', 'appliance.spend_ledger', 'appliance.inference_calls',
+        'appliance.run_budgets'
     ]::regclass[] LOOP
         IF pg_relation_size(t) / current_setting('block_size')::bigint
            >= greatest(p_min_pages, p_growth * (SELECT c.relpages FROM pg_class c WHERE c.oid = t))
@@ -1516,13 +1517,13 @@ CREATE INDEX agent_messages_lease_expires_at_idx ON appliance.agent_messages USI
 -- Name: agent_messages_wait_expires_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX agent_messages_wait_expires_at_idx ON appliance.agent_messages USING btree (wait_expires_at) WHERE (wait_expires_at IS NOT NULL);
+CREATE INDEX agent_messages_wait_expires_at_idx ON appliance.agent_messages USING btree (wait_expires_at) WHERE ((wait_expires_at IS NOT NULL) AND (status = ANY (ARRAY['awaiting_approval'::appliance.message_status, 'held_budget'::appliance.message_status, 'waiting_capability'::appliance.message_status])));
 
 --
 -- Name: agent_messages_waiting_capability_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX agent_messages_waiting_capability_idx ON appliance.agent_messages USING btree (waiting_for) WHERE (status = 'waiting_capability'::appliance.message_status);
+CREATE INDEX agent_messages_waiting_capability_idx ON appliance.agent_messages USING btree (waiting_for, id) WHERE (status = 'waiting_capability'::appliance.message_status);
 
 --
 -- Name: idempotency_keys_expires_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
@@ -1582,7 +1583,7 @@ CREATE INDEX spend_ledger_month_idx ON appliance.spend_ledger USING btree (month
 -- Name: spend_ledger_reserved_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX spend_ledger_reserved_idx ON appliance.spend_ledger USING btree (message_id) WHERE (status = 'reserved'::text);
+CREATE INDEX spend_ledger_reserved_idx ON appliance.spend_ledger USING btree (id) WHERE (status = 'reserved'::text);
 
 --
 -- Name: agent_messages_archive_default_id_idx; Type: INDEX ATTACH; Schema: appliance; Owner: appliance_owner

@@ -326,7 +326,9 @@ WITH ready AS (
     SELECT m.id
     FROM agent_messages m
     WHERE m.status = 'waiting_capability' AND m.waiting_for = ANY(%(tiers)s::text[])
-    ORDER BY m.id
+    -- The index's order (tier, id): read tier by tier, nothing but the tiers asked for, never a
+    -- walk of the whole table in id order (migration 0014).
+    ORDER BY m.waiting_for, m.id
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 )

@@ -86,11 +86,17 @@ SELECT spend_month(coalesce(%(now)s::timestamptz, now())) AS month;
 -- name: message_resume_budget :many
 -- Messages held for budget go back to pending: all of them (the cap was raised), or with `earlier_months_only` those held in a month before this one by the database clock (the month rolled over, also when no runner saw the boundary itself); a bounded batch.
 WITH ready AS (
+    -- Oldest hold first, read in the order of the index of holds: one bound on the hold's time
+    -- (the start of this month, or none), never a condition an index cannot use, so that no
+    -- plan reads more holds than it resumes (migration 0014).
     SELECT m.id FROM agent_messages m
     WHERE m.status = 'held_budget'
-      AND (NOT %(earlier_months_only)s
-           OR spend_month(m.updated_at) < spend_month(coalesce(%(now)s::timestamptz, now())))
-    ORDER BY m.id
+      AND m.updated_at < CASE
+          WHEN %(earlier_months_only)s
+          THEN (SELECT spend_month(clock(%(now)s))::timestamp AT TIME ZONE c.time_zone
+                FROM spend_config c)
+          ELSE 'infinity'::timestamptz END
+    ORDER BY m.updated_at
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 )

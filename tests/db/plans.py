@@ -1,16 +1,24 @@
 """Reading the plans runtime connections keep: named queries prepared as the driver prepares
-them (generic plans, plan_cache_mode=force_generic_plan), run under EXPLAIN ANALYZE, and what a
-plan read of the hot table."""
+them (generic plans, plan_cache_mode=force_generic_plan) and run under EXPLAIN ANALYZE, the
+plans of statements inside functions (auto_explain), what a plan read of a table, and the data
+set-ups that show a plan kept from statistics that no longer hold."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 
+from appliance.bus.core import Bus
+from appliance.db.database import Database
 from appliance.db.queries import q
+from appliance.db.runner_store import PgRunnerStore
+from appliance.domain.envelope import Lane, LeaseRef
 
 
 def positional(statement: str) -> tuple[str, list[str]]:
@@ -47,8 +55,8 @@ def plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def hot_reads(plan: dict[str, Any]) -> int:
-    """Rows of agent_messages a plan read: returned, and read then filtered out or rechecked."""
+def hot_reads(plan: dict[str, Any], relation: str = "agent_messages") -> int:
+    """Rows of `relation` a plan read: returned, and read then filtered out or rechecked."""
     return sum(
         (
             int(n.get("Actual Rows", 0))
@@ -57,7 +65,7 @@ def hot_reads(plan: dict[str, Any]) -> int:
         )
         * int(n.get("Actual Loops", 1))
         for n in plan_nodes(plan["Plan"])
-        if n.get("Relation Name") == "agent_messages"
+        if n.get("Relation Name") == relation
     )
 
 
@@ -75,3 +83,89 @@ def check_bounded_plan(plan: dict[str, Any]) -> None:
         int(plan["Plan"]["Shared Hit Blocks"]) + int(plan["Plan"].get("Shared Read Blocks", 0))
         < 2000
     )
+
+
+def reads_index(plan: dict[str, Any], index: str) -> bool:
+    return any(n.get("Index Name") == index for n in plan_nodes(plan["Plan"]))
+
+
+# Runtime connections' settings, then auto_explain's (superuser-only, hence the admin session).
+_EXPLAINED_SESSION = (
+    "LOAD 'auto_explain'",
+    "SET auto_explain.log_min_duration = 0",
+    "SET auto_explain.log_analyze = on",
+    "SET auto_explain.log_nested_statements = on",
+    "SET auto_explain.log_format = json",
+    "SET client_min_messages = log",
+    "SET plan_cache_mode = force_generic_plan",
+    "SET search_path = appliance, pg_catalog",
+    "SET ROLE appliance_system",
+)
+
+
+@contextlib.asynccontextmanager
+async def explained_session(
+    admin: str,
+) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], list[dict[str, Any]]]]:
+    """A session as the runtime's system role, with its plan settings, that collects the plan
+    (with ANALYZE) of every statement it runs, those inside functions included, as they end."""
+    plans: list[dict[str, Any]] = []
+
+    def on_notice(diag: psycopg.errors.Diagnostic) -> None:
+        text = diag.message_primary or ""
+        if "plan:" in text:
+            plans.append(json.loads(text.split("plan:", 1)[1]))
+
+    async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as conn:
+        conn.add_notice_handler(on_notice)
+        for setting in _EXPLAINED_SESSION:
+            await conn.execute(setting)
+        yield conn, plans
+
+
+def plans_of(plans: list[dict[str, Any]], fragment: str) -> list[dict[str, Any]]:
+    """The collected plans whose statement text contains `fragment`."""
+    return [p for p in plans if fragment in p["Query Text"]]
+
+
+async def backlog(db: Database, n: int, *, tenant: str = "acme") -> None:
+    """`n` pending messages, then ANALYZE: the statistics say that they all wait."""
+    bus = Bus(PgRunnerStore(db))
+    for start in range(0, n, 1000):
+        await bus.enqueue_many(
+            [
+                bus.request(
+                    tenant=tenant,
+                    pipeline="p",
+                    stage="s",
+                    source="test",
+                    source_id=f"m{i}",
+                    directive="work",
+                )
+                for i in range(start, min(n, start + 1000))
+            ]
+        )
+    await admin_sql(db, "ANALYZE appliance.agent_messages")
+
+
+async def take(rstore: PgRunnerStore, n: int) -> list[LeaseRef]:
+    """Claim `n` messages (kept running): their leases."""
+    leases: list[LeaseRef] = []
+    while len(leases) < n:
+        claim = await rstore.claim_lane(
+            worker="w",
+            lane=Lane.INTERACTIVE,
+            limit=min(100, n - len(leases)),
+            lease=timedelta(seconds=60),
+            tenant_limit=10**6,
+        )
+        assert claim.messages, "the backlog ran out"
+        leases.extend(m.lease for m in claim.messages)
+    return leases
+
+
+async def admin_sql(db: Database, *statements: str) -> None:
+    """Statements as the superuser (test set-up that no runtime role may do), autocommit."""
+    async with await psycopg.AsyncConnection.connect(db.endpoints.admin, autocommit=True) as conn:
+        for statement in statements:
+            await conn.execute(statement)

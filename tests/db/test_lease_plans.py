@@ -9,20 +9,26 @@ Every statement fenced by (id, lease token) must find its row by primary key ins
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from appliance.bus.core import Bus
-from appliance.db.database import Database, Endpoints
+from appliance.db.database import Database
 from appliance.db.runner_store import PgRunnerStore
-from appliance.db.tenant_store import PgTenantStore
-from appliance.domain.envelope import Lane, LeaseRef
-from tests.db.plans import explain, hot_reads, plan_nodes, prepare
+from appliance.domain.envelope import LeaseRef
+from tests.db.plans import (
+    backlog,
+    explain,
+    explained_session,
+    hot_reads,
+    plan_nodes,
+    plans_of,
+    prepare,
+    reads_index,
+    take,
+)
 
 RUNNING_INDEX = "agent_messages_lease_expires_at_idx"
 RUNNING = 1500  # messages running when the kept plans are used
@@ -80,60 +86,6 @@ def values(name: str, leases: list[LeaseRef]) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-async def quiet_db(fresh_db: Endpoints) -> AsyncIterator[Database]:
-    """A database whose statistics change only when the test says (no autovacuum)."""
-    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
-        conn.execute("ALTER TABLE appliance.agent_messages SET (autovacuum_enabled = off)")
-    db = Database(fresh_db, max_size=2)
-    await db.open()
-    try:
-        await PgTenantStore(db).add("acme")
-        yield db
-    finally:
-        await db.close()
-
-
-async def backlog(db: Database, n: int) -> None:
-    """`n` pending messages, then ANALYZE: the statistics say that nothing runs."""
-    bus = Bus(PgRunnerStore(db))
-    for start in range(0, n, 1000):
-        await bus.enqueue_many(
-            [
-                bus.request(
-                    tenant="acme",
-                    pipeline="p",
-                    stage="s",
-                    source="test",
-                    source_id=f"m{i}",
-                    directive="work",
-                )
-                for i in range(start, min(n, start + 1000))
-            ]
-        )
-    with psycopg.connect(db.endpoints.admin, autocommit=True) as conn:
-        conn.execute("ANALYZE appliance.agent_messages")
-
-
-async def take(rstore: PgRunnerStore, n: int) -> list[LeaseRef]:
-    leases: list[LeaseRef] = []
-    while len(leases) < n:
-        claim = await rstore.claim_lane(
-            worker="w",
-            lane=Lane.INTERACTIVE,
-            limit=min(100, n - len(leases)),
-            lease=timedelta(seconds=60),
-            tenant_limit=10**6,
-        )
-        assert claim.messages, "the backlog ran out"
-        leases.extend(m.lease for m in claim.messages)
-    return leases
-
-
-def reads_running_index(plan: dict[str, Any]) -> bool:
-    return any(n.get("Index Name") == RUNNING_INDEX for n in plan_nodes(plan["Plan"]))
-
-
 async def test_writes_under_a_lease_probe_by_key_with_plans_kept_from_before(
     quiet_db: Database,
 ) -> None:
@@ -162,9 +114,9 @@ async def test_writes_under_a_lease_probe_by_key_with_plans_kept_from_before(
         }
     # Precondition, or this test proves nothing: the kept plan of the status probe reads every
     # running message to find one.
-    assert reads_running_index(control) and hot_reads(control) >= RUNNING - 1
+    assert reads_index(control, RUNNING_INDEX) and hot_reads(control) >= RUNNING - 1
     for name, plan in plans.items():
-        assert not reads_running_index(plan), name
+        assert not reads_index(plan, RUNNING_INDEX), name
         assert hot_reads(plan) <= 40, (name, hot_reads(plan))
         # And it did its work: the update wrote (and returned) its rows.
         written = [n for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "ModifyTable"]
@@ -178,31 +130,7 @@ async def test_spend_reserve_checks_its_lease_by_key_with_a_plan_kept_from_befor
     # its plan is kept per session like a prepared statement's. auto_explain shows it.
     rstore = PgRunnerStore(quiet_db)
     await backlog(quiet_db, 3000)
-    plans: list[dict[str, Any]] = []
-
-    def on_notice(diag: psycopg.errors.Diagnostic) -> None:
-        text = diag.message_primary or ""
-        if "plan:" in text:
-            plan = json.loads(text.split("plan:", 1)[1])
-            if "agent_messages am" in plan["Query Text"]:
-                plans.append(plan)
-
-    async with await psycopg.AsyncConnection.connect(
-        quiet_db.endpoints.admin, autocommit=True
-    ) as conn:
-        conn.add_notice_handler(on_notice)
-        for setting in (
-            "LOAD 'auto_explain'",
-            "SET auto_explain.log_min_duration = 0",
-            "SET auto_explain.log_analyze = on",
-            "SET auto_explain.log_nested_statements = on",
-            "SET auto_explain.log_format = json",
-            "SET client_min_messages = log",
-            "SET plan_cache_mode = force_generic_plan",  # as on runtime connections
-            "SET search_path = appliance, pg_catalog",
-            "SET ROLE appliance_system",
-        ):
-            await conn.execute(setting)
+    async with explained_session(quiet_db.endpoints.admin) as (conn, plans):
         reserve = (
             "SELECT * FROM spend_reserve('acme', 'interactive', 0.01, %s, %s, 'p', 's',"
             " 'generate', 'm', 'small', NULL)"
@@ -213,7 +141,6 @@ async def test_spend_reserve_checks_its_lease_by_key_with_a_plan_kept_from_befor
         leases = await take(rstore, RUNNING)
         plans.clear()
         await conn.execute(reserve, (leases[0].message_id, leases[0].lease_token))
-    assert len(plans) == 1, plans
-    (plan,) = plans
-    assert not reads_running_index(plan)
+    (plan,) = plans_of(plans, "agent_messages am")
+    assert not reads_index(plan, RUNNING_INDEX)
     assert hot_reads(plan) <= 2

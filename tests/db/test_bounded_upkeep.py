@@ -1,0 +1,168 @@
+"""Upkeep statements read what they touch, whatever the statistics their kept plans were made on
+(migration 0014): releasing holds whose lease is gone, resuming work that waited for a tier or
+for budget, expiring waits, and keeping run_budgets' statistics current.
+
+Each test builds the situation in which the old statement read the whole table (or the whole
+history) and counts the rows the statement reads now."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from appliance.bus.core import Bus
+from appliance.db.database import Database
+from appliance.db.runner_store import PgRunnerStore
+from appliance.domain.inference import Tier
+from tests.db.plans import (
+    admin_sql,
+    backlog,
+    explain,
+    explained_session,
+    hot_reads,
+    plan_nodes,
+    plans_of,
+    prepare,
+    take,
+)
+
+TYPES = {
+    "now": "timestamptz",
+    "actor": "text",
+    "reason": "text",
+    "batch": "integer",
+    "tiers": "text[]",
+    "earlier_months_only": "boolean",
+}
+
+
+def resumed(plan: dict[str, Any]) -> int:
+    """Rows the plan's update wrote."""
+    return sum(
+        int(n["Actual Rows"]) for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "ModifyTable"
+    )
+
+
+async def test_release_of_holds_whose_lease_is_gone_reads_the_reserved_holds_only(
+    quiet_db: Database,
+) -> None:
+    # The reclaimer runs this every second. With a long spend history and a few calls in
+    # flight, it walked the ledger's primary key through the history (on current statistics).
+    await backlog(quiet_db, 20000)
+    await take(PgRunnerStore(quiet_db), 100)
+    await admin_sql(
+        quiet_db,
+        "INSERT INTO appliance.spend_ledger (month, tenant, status, amount, created_at,"
+        " settled_at) SELECT date '2026-11-01', 'acme', 'settled', 0.001, now(), now()"
+        " FROM generate_series(1, 40000)",
+        # Holds of calls in flight: their leases are current, so nothing is released.
+        "INSERT INTO appliance.spend_ledger (month, tenant, message_id, lease_token, status,"
+        " reserved, created_at) SELECT date '2026-11-01', tenant, id, lease_token, 'reserved',"
+        " 0.01, now() FROM appliance.agent_messages WHERE status = 'running'",
+        "ANALYZE appliance.spend_ledger",
+    )
+    async with explained_session(quiet_db.endpoints.admin) as (conn, plans):
+        for _ in range(2):  # the second call runs the plan the session keeps
+            row = await (await conn.execute("SELECT spend_release_dead(500, NULL)")).fetchone()
+            assert row == (0,)
+    plan = plans_of(plans, "FROM spend_ledger l")[-1]
+    assert hot_reads(plan, "spend_ledger") <= 110, hot_reads(plan, "spend_ledger")
+
+
+async def test_resuming_work_that_waited_for_a_tier_reads_only_that_work(
+    quiet_db: Database,
+) -> None:
+    # Statistics taken during an outage (most work waiting for a tier); by the time the tier is
+    # back up, nothing waits any more. Resumption runs after every model call.
+    rstore = PgRunnerStore(quiet_db)
+    await backlog(quiet_db, 4000)
+    await admin_sql(
+        quiet_db,
+        "UPDATE appliance.agent_messages SET status = 'waiting_capability',"
+        " waiting_for = 'mechanical', status_reason = 'test', status_actor = 'test'"
+        " WHERE id IN (SELECT id FROM appliance.agent_messages ORDER BY id LIMIT 3000)",
+        "ANALYZE appliance.agent_messages",
+    )
+    async with quiet_db.system_pool.connection() as aconn:
+        cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
+        call = await prepare(aconn, "message_resume_capability", TYPES)
+        args = {"tiers": ["reasoning"], "batch": 500, "now": None, "actor": "test"}
+        await cur.execute(call, args)  # the kept plan, made on those statistics
+        assert await rstore.resume_capability([Tier.MECHANICAL]) == 3000
+        plan = await explain(cur, call, {**args, "tiers": ["mechanical"]})
+    assert resumed(plan) == 0
+    assert hot_reads(plan) <= 10, hot_reads(plan)
+
+
+async def test_resuming_work_held_in_earlier_months_reads_no_hold_of_this_month(
+    quiet_db: Database,
+) -> None:
+    # Statistics taken when nothing was held; then this month's cap holds 3,000 messages. The
+    # month-rollover check (every 30 s) must not read this month's holds to find none.
+    await backlog(quiet_db, 4000)
+    async with quiet_db.system_pool.connection() as aconn:
+        cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
+        call = await prepare(aconn, "message_resume_budget", TYPES)
+        stale = {
+            "reason": "test",
+            "actor": "test",
+            "batch": 500,
+            "now": None,
+            "earlier_months_only": True,
+        }
+        await cur.execute(call, stale)  # the kept plan, made while nothing is held
+        await admin_sql(
+            quiet_db,
+            "UPDATE appliance.agent_messages SET status = 'held_budget', updated_at = now(),"
+            " status_reason = 'test', status_actor = 'test'"
+            " WHERE id IN (SELECT id FROM appliance.agent_messages ORDER BY id LIMIT 3000)",
+        )
+        none_stale = await explain(cur, call, stale)
+        # Raising the cap resumes them all, a batch at a time, each batch reading its own.
+        first_batch = await explain(cur, call, {**stale, "earlier_months_only": False})
+    assert resumed(none_stale) == 0
+    assert hot_reads(none_stale) <= 10, hot_reads(none_stale)
+    assert resumed(first_batch) == 500
+    # Each hold of the batch found in the index of holds, probed by key, and written: no more.
+    assert hot_reads(first_batch) <= 3 * 500 + 10, hot_reads(first_batch)
+
+
+async def test_expiring_waits_does_not_reread_waits_that_ended(quiet_db: Database) -> None:
+    # 3,000 approvals waited past their expiry and were expired; the expirer (every 5 s) must not
+    # read them again on every round afterwards.
+    await backlog(quiet_db, 3000)
+    await admin_sql(
+        quiet_db,
+        "UPDATE appliance.agent_messages SET status = 'awaiting_approval',"
+        " wait_expires_at = now() - interval '1 hour', status_reason = 'test',"
+        " status_actor = 'test'",
+    )
+    bus = Bus(PgRunnerStore(quiet_db))
+    expired = 0
+    while n := await bus.expire():
+        expired += n
+    assert expired == 3000
+    async with quiet_db.system_pool.connection() as aconn:
+        cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
+        call = await prepare(aconn, "message_expire_deadline", TYPES)
+        plan = await explain(cur, call, {"now": None, "batch": 500, "actor": "test"})
+    assert resumed(plan) == 0
+    assert hot_reads(plan) <= 10, hot_reads(plan)
+
+
+async def test_run_budgets_are_reanalyzed_when_they_outgrow_their_statistics(
+    quiet_db: Database,
+) -> None:
+    # Every reservation against a run's budget reads its row by key; a plan kept from when the
+    # table was small scans it.
+    await admin_sql(
+        quiet_db,
+        "INSERT INTO appliance.run_budgets (tenant, source, source_id, pipeline, limits,"
+        " verification_reserve, started_at) SELECT 'acme', 'test', g::text, 'p', '{}', 0.1,"
+        " now() FROM generate_series(1, 6000) AS g",
+    )
+    rstore = PgRunnerStore(quiet_db)
+    assert "run_budgets" in await rstore.refresh_planner_stats()
+    assert "run_budgets" not in await rstore.refresh_planner_stats()  # current now
