@@ -94,6 +94,7 @@ ALTER FUNCTION appliance.agent_messages_log_insert() OWNER TO appliance_owner;
 CREATE FUNCTION appliance.agent_messages_log_update() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'appliance', 'pg_catalog'
+    SET enable_nestloop TO 'off'
     AS $$
 DECLARE
     seen record;
@@ -312,6 +313,7 @@ ALTER FUNCTION appliance.current_tenant() OWNER TO appliance_owner;
 CREATE FUNCTION appliance.enqueue_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer DEFAULT 5, p_scope text DEFAULT NULL::text) RETURNS TABLE(ord integer, id bigint, new boolean)
     LANGUAGE plpgsql
     SET search_path TO 'appliance', 'pg_catalog'
+    SET enable_nestloop TO 'on'
     AS $$
 BEGIN
 IF jsonb_typeof(p_requests) IS DISTINCT FROM 'array' THEN

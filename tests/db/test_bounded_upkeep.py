@@ -1,6 +1,8 @@
 """Upkeep statements read what they touch, whatever the statistics their kept plans were made on
 (migration 0014): releasing holds whose lease is gone, resuming work that waited for a tier or
-for budget, expiring waits, and keeping run_budgets' statistics current.
+for budget, expiring waits, and keeping run_budgets' statistics current; and the update
+trigger's joins stay linear in a statement's size, whatever size its plans were made for
+(migration 0015).
 
 Each test builds the situation in which the old statement read the whole table (or the whole
 history) and counts the rows the statement reads now."""
@@ -14,8 +16,11 @@ from psycopg.rows import dict_row
 
 from appliance.bus.core import Bus
 from appliance.db.database import Database
+from appliance.db.message_store import complete_params
+from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
 from appliance.domain.inference import Tier
+from appliance.domain.ports import Completion
 from tests.db.plans import (
     admin_sql,
     backlog,
@@ -166,3 +171,26 @@ async def test_run_budgets_are_reanalyzed_when_they_outgrow_their_statistics(
     rstore = PgRunnerStore(quiet_db)
     assert "run_budgets" in await rstore.refresh_planner_stats()
     assert "run_budgets" not in await rstore.refresh_planner_stats()  # current now
+
+
+async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
+    quiet_db: Database,
+) -> None:
+    # The trigger's joins of old_rows with new_rows are planned once per session, for the first
+    # statement's row count. A session whose first update wrote one row must not compare every
+    # row with every row in a later update of 2,000.
+    rstore = PgRunnerStore(quiet_db)
+    await backlog(quiet_db, 2100)
+    (first,) = await take(rstore, 1)
+    async with explained_session(quiet_db.endpoints.admin) as (conn, plans):
+        ack = q("message_complete")
+        one = complete_params([Completion(first)], actor="test", now=None)
+        await conn.execute(ack, one)  # the trigger's plans, made for one row
+        many = await take(rstore, 2000)
+        plans.clear()
+        await conn.execute(ack, complete_params([Completion(x) for x in many], actor="t", now=None))
+    joins = plans_of(plans, "JOIN old_rows o ON o.id = n.id")
+    assert len(joins) >= 3  # the counts, the log, the leases ended
+    for plan in joins:
+        loops = [n for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "Nested Loop"]
+        assert loops == [], plan["Query Text"]
