@@ -407,24 +407,45 @@ CREATE FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone,
     SET search_path TO 'appliance', 'pg_catalog'
     AS $$
 DECLARE
+    at timestamptz := coalesce(p_now, now());
+    window_pages constant bigint := 1024;
+    blocks bigint := pg_relation_size('appliance.idempotency_keys')
+                     / current_setting('block_size')::bigint;
+    first_block bigint;
+    last_block bigint;
     purged integer;
 BEGIN
     -- One purger at a time across runners; the others skip this round.
     IF NOT pg_try_advisory_xact_lock(hashtext('appliance.purge_keys')) THEN
         RETURN 0;
     END IF;
+    SELECT c.block INTO first_block FROM upkeep_cursors c WHERE c.name = 'idempotency_keys';
+    IF first_block >= blocks THEN
+        first_block := 0;  -- past the end (or the table shrank): a new sweep
+    END IF;
     -- A key an enqueue is taking over right now is locked: skipped here, and its new expiry
-    -- keeps it. The expiry is checked again on the row deleted.
-    -- The rows are found through the BRIN index in storage order (no sort of all expired
-    -- keys) and deleted by their tuple ids (a TID scan, whatever the batch size's estimate).
-    DELETE FROM idempotency_keys k
-    WHERE k.ctid = ANY (ARRAY(
-              SELECT d.ctid FROM idempotency_keys d
-              WHERE d.expires_at <= coalesce(p_now, now())
-              LIMIT p_batch
-              FOR UPDATE SKIP LOCKED))
-      AND k.expires_at <= coalesce(p_now, now());
-    GET DIAGNOSTICS purged = ROW_COUNT;
+    -- keeps it. The expiry is checked again on the row deleted. The window is read by a TID
+    -- range scan and the rows deleted by their tuple ids, whatever the statistics.
+    WITH gone AS (
+        DELETE FROM idempotency_keys k
+        WHERE k.ctid = ANY (ARRAY(
+                  SELECT d.ctid FROM idempotency_keys d
+                  WHERE d.ctid >= format('(%s,0)', first_block)::tid
+                    AND d.ctid < format('(%s,0)', first_block + window_pages)::tid
+                    AND d.expires_at <= at
+                  ORDER BY d.ctid
+                  LIMIT p_batch
+                  FOR UPDATE SKIP LOCKED))
+          AND k.expires_at <= at
+        RETURNING k.ctid
+    )
+    SELECT count(*), max((g.ctid::text::point)[0])::bigint INTO purged, last_block FROM gone g;
+    -- A full batch may have left expired keys further on in the window: the next call resumes
+    -- at the last block it deleted from. Otherwise the window is done.
+    UPDATE upkeep_cursors
+    SET block = CASE WHEN purged >= p_batch THEN last_block
+                     ELSE first_block + window_pages END
+    WHERE name = 'idempotency_keys';
     RETURN purged;
 END
 $$;
@@ -1317,6 +1338,18 @@ CREATE TABLE appliance.tenants (
 ALTER TABLE appliance.tenants OWNER TO appliance_owner;
 
 --
+-- Name: upkeep_cursors; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.upkeep_cursors (
+    name text NOT NULL,
+    block bigint DEFAULT 0 NOT NULL,
+    CONSTRAINT upkeep_cursors_block_check CHECK ((block >= 0))
+);
+
+ALTER TABLE appliance.upkeep_cursors OWNER TO appliance_owner;
+
+--
 -- Name: agent_messages_archive_default; Type: TABLE ATTACH; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1456,6 +1489,13 @@ ALTER TABLE ONLY appliance.tenants
     ADD CONSTRAINT tenants_pkey PRIMARY KEY (name);
 
 --
+-- Name: upkeep_cursors upkeep_cursors_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.upkeep_cursors
+    ADD CONSTRAINT upkeep_cursors_pkey PRIMARY KEY (name);
+
+--
 -- Name: agent_messages_archive_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1526,12 +1566,6 @@ CREATE INDEX agent_messages_wait_expires_at_idx ON appliance.agent_messages USIN
 --
 
 CREATE INDEX agent_messages_waiting_capability_idx ON appliance.agent_messages USING btree (waiting_for, id) WHERE (status = 'waiting_capability'::appliance.message_status);
-
---
--- Name: idempotency_keys_expires_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
---
-
-CREATE INDEX idempotency_keys_expires_at_idx ON appliance.idempotency_keys USING brin (expires_at) WITH (autosummarize='on');
 
 --
 -- Name: idempotency_keys_last_hit_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner

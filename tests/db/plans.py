@@ -94,6 +94,7 @@ _EXPLAINED_SESSION = (
     "LOAD 'auto_explain'",
     "SET auto_explain.log_min_duration = 0",
     "SET auto_explain.log_analyze = on",
+    "SET auto_explain.log_buffers = on",
     "SET auto_explain.log_nested_statements = on",
     "SET auto_explain.log_format = json",
     "SET client_min_messages = log",

@@ -2,7 +2,8 @@
 (migration 0014): releasing holds whose lease is gone, resuming work that waited for a tier or
 for budget, expiring waits, and keeping run_budgets' statistics current; and the update
 trigger's joins stay linear in a statement's size, whatever size its plans were made for
-(migration 0015).
+(migration 0015); and a purge of expired idempotency keys reads a bounded window of the table
+(migration 0016).
 
 Each test builds the situation in which the old statement read the whole table (or the whole
 history) and counts the rows the statement reads now."""
@@ -194,3 +195,42 @@ async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
     for plan in joins:
         loops = [n for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "Nested Loop"]
         assert loops == [], plan["Query Text"]
+
+
+KEYS = 200_000
+WINDOW_PAGES = 1024  # purge_idempotency_keys' window
+
+
+async def test_a_key_purge_reads_one_window_also_where_expired_keys_left_their_space(
+    quiet_db: Database,
+) -> None:
+    # A full retention period: every key expired and was purged, VACUUM freed the space, and
+    # the next period's keys filled it. A purge with nothing expired must not read them all
+    # (a BRIN index on the expiry kept every reused range's old minimum, and read them all).
+    fill = (
+        "INSERT INTO appliance.idempotency_keys (tenant, key, message_id, created_at,"
+        " expires_at) SELECT 'acme', 'k1:' || encode(sha256(('{0}' || g)::bytea), 'hex'), g,"
+        " now() + interval '{1}', now() + interval '{1}' + interval '90 days'"
+        f" FROM generate_series(1, {KEYS}) AS g"
+    )
+    await admin_sql(quiet_db, fill.format("old", "-91 days"))
+    rstore = PgRunnerStore(quiet_db)
+    purged, calls = 0, 0
+    while purged < KEYS and calls < 200:
+        purged, calls = purged + await rstore.purge_keys(batch=20_000), calls + 1
+    assert purged == KEYS
+    await admin_sql(quiet_db, "VACUUM appliance.idempotency_keys", fill.format("new", "0 days"))
+    async with explained_session(quiet_db.endpoints.admin) as (conn, plans):
+        size = await (
+            await conn.execute("SELECT pg_relation_size('idempotency_keys') / 8192")
+        ).fetchone()
+        assert size is not None and size[0] >= 2 * WINDOW_PAGES  # more than one window
+        plans.clear()
+        row = await (await conn.execute("SELECT purge_idempotency_keys(NULL, 1000)")).fetchone()
+        assert row == (0,)
+    (plan,) = plans_of(plans, "FROM idempotency_keys d")
+    assert hot_reads(plan, "idempotency_keys") < KEYS / 2, hot_reads(plan, "idempotency_keys")
+    assert (
+        int(plan["Plan"]["Shared Hit Blocks"]) + int(plan["Plan"].get("Shared Read Blocks", 0))
+        <= WINDOW_PAGES + 16
+    )
