@@ -137,7 +137,9 @@ BEGIN
 
     IF seen.taken > 0 THEN
         -- Leases taken count up tenant_runtime.claimed (the row a claim locks), locked in
-        -- tenant order so that two statements touching the same tenants never deadlock.
+        -- tenant order so that two statements touching the same tenants never deadlock. The
+        -- tenants' rows are probed by key through an array (= ANY): with nested loops off, a
+        -- join would read the whole table.
         WITH delta AS (
             SELECT n.tenant, count(*) AS taken, max(n.claimed_at) AS claimed
             FROM new_rows n JOIN old_rows o ON o.id = n.id
@@ -146,7 +148,7 @@ BEGIN
         ),
         took AS (
             SELECT r.tenant FROM tenant_runtime r
-            WHERE r.tenant IN (SELECT d.tenant FROM delta d)
+            WHERE r.tenant = ANY (ARRAY(SELECT d.tenant FROM delta d))
             ORDER BY r.tenant
             FOR UPDATE
         )
@@ -154,7 +156,8 @@ BEGIN
         SET claimed = r.claimed + delta.taken,
             last_claimed_at = greatest(r.last_claimed_at, delta.claimed)
         FROM delta JOIN took ON took.tenant = delta.tenant
-        WHERE r.tenant = delta.tenant;
+        WHERE r.tenant = delta.tenant
+          AND r.tenant = ANY (ARRAY(SELECT d.tenant FROM delta d));
     END IF;
     IF seen.ended > 0 THEN
         -- Leases ended count up tenant_released.released (a row no claim locks), in tenant
@@ -167,14 +170,15 @@ BEGIN
         ),
         gave AS (
             SELECT x.tenant FROM tenant_released x
-            WHERE x.tenant IN (SELECT d.tenant FROM delta d)
+            WHERE x.tenant = ANY (ARRAY(SELECT d.tenant FROM delta d))
             ORDER BY x.tenant
             FOR UPDATE
         )
         UPDATE tenant_released x
         SET released = x.released + delta.ended
         FROM delta JOIN gave ON gave.tenant = delta.tenant
-        WHERE x.tenant = delta.tenant;
+        WHERE x.tenant = delta.tenant
+          AND x.tenant = ANY (ARRAY(SELECT d.tenant FROM delta d));
     END IF;
 
     IF seen.done > 0 THEN

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import psycopg
@@ -19,6 +20,10 @@ log = logging.getLogger("appliance.db.migrate")
 _FILE = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
 # One key for every migrator of every box: two concurrent `migrate` runs serialise on it.
 MIGRATION_LOCK_KEY = 0x6170706C_6D696772  # "applmigr"
+# How long a migration waits for a lock on a table in use (a DROP INDEX or ALTER TABLE needs the
+# table to itself). Waiting longer would hold every runner's statements on that table behind
+# the migration's queued lock: the bus would stall instead of the migration failing.
+LOCK_TIMEOUT = timedelta(seconds=10)
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,14 @@ class MigrateReport:
     already: list[int]
 
 
-def migrate(admin_conninfo: str, directory: Path | None = None) -> MigrateReport:
+def migrate(
+    admin_conninfo: str, directory: Path | None = None, *, lock_timeout: timedelta = LOCK_TIMEOUT
+) -> MigrateReport:
     """Apply pending migrations.
 
     Idempotent; safe when several run at once; refuses (changing nothing) when an applied file's
-    checksum changed or the database is ahead of the code.
+    checksum changed or the database is ahead of the code. A migration that waits longer than
+    `lock_timeout` for a table in use is rolled back and reported (the ones before it stay).
     """
     base = directory or sql_dir()
     migrations = discover(base)
@@ -101,15 +109,28 @@ def migrate(admin_conninfo: str, directory: Path | None = None) -> MigrateReport
                 if migration.version in applied:
                     continue
                 log.info("applying migration %s", migration.path.name)
-                with conn.transaction():
-                    conn.execute("SET LOCAL ROLE appliance_owner")
-                    conn.execute("SET LOCAL search_path = appliance, pg_catalog")
-                    conn.execute(migration.sql)
-                    conn.execute(
-                        "INSERT INTO appliance.schema_migrations (version, name, checksum)"
-                        " VALUES (%s, %s, %s)",
-                        (migration.version, migration.name, migration.checksum),
-                    )
+                try:
+                    with conn.transaction():
+                        conn.execute("SET LOCAL ROLE appliance_owner")
+                        conn.execute("SET LOCAL search_path = appliance, pg_catalog")
+                        conn.execute(
+                            "SELECT set_config('lock_timeout', %s, true)",
+                            (f"{int(lock_timeout.total_seconds() * 1000)}ms",),
+                        )
+                        conn.execute(migration.sql)
+                        conn.execute(
+                            "INSERT INTO appliance.schema_migrations (version, name, checksum)"
+                            " VALUES (%s, %s, %s)",
+                            (migration.version, migration.name, migration.checksum),
+                        )
+                except psycopg.errors.LockNotAvailable as exc:
+                    applied_now = ", ".join(f"{v:04d}" for v in done) or "none"
+                    raise MigrationError(
+                        f"migration {migration.path.name} waited more than {lock_timeout} for a"
+                        f" table in use ({exc.diag.message_primary}) and was rolled back; applied"
+                        f" by this run: {applied_now}. Stop the runners (or end the long"
+                        " transaction holding the table) and migrate again"
+                    ) from None
                 done.append(migration.version)
             return MigrateReport(applied=done, already=sorted(applied))
         finally:

@@ -86,9 +86,11 @@ SELECT spend_month(coalesce(%(now)s::timestamptz, now())) AS month;
 -- name: message_resume_budget :many
 -- Messages held for budget go back to pending: all of them (the cap was raised), or with `earlier_months_only` those held in a month before this one by the database clock (the month rolled over, also when no runner saw the boundary itself); a bounded batch.
 WITH ready AS (
-    -- Oldest hold first, read in the order of the index of holds: one bound on the hold's time
-    -- (the start of this month, or none), never a condition an index cannot use, so that no
-    -- plan reads more holds than it resumes (migration 0014).
+    -- Oldest hold first, read in the order of the index of holds up to a bound on the hold's
+    -- time that the index can use (local midnight starting this month, or none), so that no
+    -- plan reads more holds than it resumes (migration 0014). The month itself is then checked
+    -- exactly: where local midnight happens twice (a DST fall-back on the 1st), the bound is the
+    -- later instant, and the hour before it is this month already.
     SELECT m.id FROM agent_messages m
     WHERE m.status = 'held_budget'
       AND m.updated_at < CASE
@@ -96,6 +98,8 @@ WITH ready AS (
           THEN (SELECT spend_month(clock(%(now)s))::timestamp AT TIME ZONE c.time_zone
                 FROM spend_config c)
           ELSE 'infinity'::timestamptz END
+      AND (NOT %(earlier_months_only)s
+           OR spend_month(m.updated_at) < spend_month(clock(%(now)s)))
     ORDER BY m.updated_at
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED

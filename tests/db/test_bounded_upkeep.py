@@ -10,6 +10,7 @@ history) and counts the rows the statement reads now."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -115,13 +116,14 @@ async def test_resuming_work_held_in_earlier_months_reads_no_hold_of_this_month(
             "reason": "test",
             "actor": "test",
             "batch": 500,
-            "now": None,
+            "now": datetime(2031, 3, 15, tzinfo=UTC),  # the holds' month (fixed: no rollover)
             "earlier_months_only": True,
         }
         await cur.execute(call, stale)  # the kept plan, made while nothing is held
         await admin_sql(
             quiet_db,
-            "UPDATE appliance.agent_messages SET status = 'held_budget', updated_at = now(),"
+            "UPDATE appliance.agent_messages SET status = 'held_budget',"
+            " updated_at = '2031-03-10 12:00+00',"
             " status_reason = 'test', status_actor = 'test'"
             " WHERE id IN (SELECT id FROM appliance.agent_messages ORDER BY id LIMIT 3000)",
         )
@@ -179,10 +181,29 @@ async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
 ) -> None:
     # The trigger's joins of old_rows with new_rows are planned once per session, for the first
     # statement's row count. A session whose first update wrote one row must not compare every
-    # row with every row in a later update of 2,000.
+    # row with every row in a later update of 2,000; and the tenants' counter rows are still
+    # found by key, however many tenants there are.
     rstore = PgRunnerStore(quiet_db)
+    await admin_sql(
+        quiet_db,
+        "INSERT INTO appliance.tenants (name) SELECT 't' || g FROM generate_series(1, 5000) g",
+        "ANALYZE appliance.tenants, appliance.tenant_runtime, appliance.tenant_released",
+    )
     await backlog(quiet_db, 2100)
     (first,) = await take(rstore, 1)
+    claim_args: dict[str, Any] = {
+        "worker": "w",
+        "lane": "interactive",
+        "limit": 10,
+        "lease": "60 seconds",
+        "tenant_limit": 10**6,
+        "tenant": None,
+        "max_runtime": "10 minutes",
+        "blocked_tiers": "{}",
+        "now": None,
+        "finished_ids": "{}",
+        "finished_tokens": "{}",
+    }
     async with explained_session(quiet_db.endpoints.admin) as (conn, plans):
         ack = q("message_complete")
         one = complete_params([Completion(first)], actor="test", now=None)
@@ -190,11 +211,14 @@ async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
         many = await take(rstore, 2000)
         plans.clear()
         await conn.execute(ack, complete_params([Completion(x) for x in many], actor="t", now=None))
+        await conn.execute(q("message_claim_lane"), claim_args)
     joins = plans_of(plans, "JOIN old_rows o ON o.id = n.id")
-    assert len(joins) >= 3  # the counts, the log, the leases ended
+    assert len(joins) >= 5  # the counts, the log, the leases ended; then the claim's
     for plan in joins:
         loops = [n for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "Nested Loop"]
         assert loops == [], plan["Query Text"]
+        for counters in ("tenant_runtime", "tenant_released"):
+            assert hot_reads(plan, counters) <= 4, (counters, plan["Query Text"])
 
 
 KEYS = 200_000

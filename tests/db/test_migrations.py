@@ -6,6 +6,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import psycopg
@@ -134,3 +135,23 @@ def test_runtime_roles_own_nothing(empty_db: str) -> None:
         ("appliance_app", False, False, False, False),
         ("appliance_system", False, True, False, False),
     ]
+
+
+def test_a_migration_waiting_for_a_table_in_use_is_rolled_back_and_named(
+    empty_db: str, tmp_path: Path
+) -> None:
+    # A migration that needs a table to itself while a long transaction reads it must fail fast
+    # (its queued lock would otherwise stall every statement on the table behind it).
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    migrate(empty_db, copy)
+    before = _applied(empty_db)
+    extra = copy / "migrations" / f"{len(before) + 1:04d}_needs_the_table.sql"
+    extra.write_text("ALTER TABLE agent_messages ADD COLUMN scratch integer;\n")
+    with psycopg.connect(empty_db) as reader:
+        reader.execute("SELECT count(*) FROM appliance.agent_messages")  # holds ACCESS SHARE
+        with pytest.raises(MigrationError, match=r"needs_the_table\.sql waited more than"):
+            migrate(empty_db, copy, lock_timeout=timedelta(milliseconds=200))
+    assert _applied(empty_db) == before
+    migrate(empty_db, copy)  # once the table is free, it applies
+    assert len(_applied(empty_db)) == len(before) + 1

@@ -294,3 +294,47 @@ async def test_held_work_of_an_earlier_month_resumes_whenever_it_is_seen(
     assert await spend.resume_stale(now=datetime(2031, 2, 3, tzinfo=UTC)) == 1
     got = await bus.get("acme", message.id)
     assert got is not None and got.status.value == "pending"
+
+
+async def test_held_work_resumes_by_the_local_month_of_its_hold(
+    spend: PgSpendStore, db: Database
+) -> None:
+    # The month of a hold is the spend time zone's; a resume of earlier months' holds reads the
+    # holds up to local midnight starting this month, and checks the month exactly.
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    bus = Bus(PgRunnerStore(db))
+
+    async def held(source_id: str, at: datetime) -> int:
+        await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t",
+                          source_id=source_id, directive="d")  # fmt: skip
+        (message,) = await bus.claim("w", limit=1)
+        assert await spend.hold_budget(
+            message.lease, reason="held_budget: test", expires_at=at + timedelta(days=60), now=at
+        )
+        return message.id
+
+    async def configure(time_zone: str) -> None:
+        await spend.configure(
+            time_zone=time_zone, currency="EUR", interactive_share=Decimal("0.2"),
+            alert_fractions=[Decimal("0.5")], amortisation_monthly=Decimal(0),
+        )  # fmt: skip
+
+    async def status(message_id: int) -> str:
+        got = await bus.get("acme", message_id)
+        assert got is not None
+        return got.status.value
+
+    await configure("Europe/Berlin")
+    january = await held("jan", datetime(2031, 1, 31, 22, 30, tzinfo=UTC))  # 23:30 in Berlin
+    february = await held("feb", datetime(2031, 1, 31, 23, 30, tzinfo=UTC))  # 00:30, 1 Feb
+    assert await spend.resume_stale(now=datetime(2031, 2, 3, tzinfo=UTC)) == 1
+    assert (await status(january), await status(february)) == ("pending", "held_budget")
+
+    # Havana's clocks fall back at 01:00 on 1 November 2026: local midnight happens twice.
+    # 04:30 UTC is 00:30 local the first time, November already.
+    await configure("America/Havana")
+    november = await held("nov", datetime(2026, 11, 1, 4, 30, tzinfo=UTC))
+    assert await spend.resume_stale(now=datetime(2026, 11, 3, tzinfo=UTC)) == 0
+    assert await status(november) == "held_budget"
