@@ -117,7 +117,9 @@ async def test_writes_under_a_lease_probe_by_key_with_plans_kept_from_before(
     assert reads_index(control, RUNNING_INDEX) and hot_reads(control) >= RUNNING - 1
     for name, plan in plans.items():
         assert not reads_index(plan, RUNNING_INDEX), name
-        assert hot_reads(plan) <= 40, (name, hot_reads(plan))
+        # Each of its (at most 10) leases' rows read a few times: found, locked, written,
+        # reported. Never the running set.
+        assert hot_reads(plan) <= 60, (name, hot_reads(plan))
         # And it did its work: the update wrote (and returned) its rows.
         written = [n for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "ModifyTable"]
         assert sum(int(n["Actual Rows"]) for n in written) >= 1, name
