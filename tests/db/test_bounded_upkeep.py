@@ -133,8 +133,9 @@ async def test_resuming_work_held_in_earlier_months_reads_no_hold_of_this_month(
     assert resumed(none_stale) == 0
     assert hot_reads(none_stale) <= 10, hot_reads(none_stale)
     assert resumed(first_batch) == 500
-    # Each hold of the batch found in the index of holds, probed by key, and written: no more.
-    assert hot_reads(first_batch) <= 3 * 500 + 10, hot_reads(first_batch)
+    # Each hold of the batch found in the index of holds, probed by key, and written (1,500
+    # here), with room for another plan shape; never the 3,000 holds.
+    assert hot_reads(first_batch) <= 4 * 500, hot_reads(first_batch)
 
 
 async def test_expiring_waits_does_not_reread_waits_that_ended(quiet_db: Database) -> None:
