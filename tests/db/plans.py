@@ -85,6 +85,13 @@ def check_bounded_plan(plan: dict[str, Any]) -> None:
     )
 
 
+def rows_written(plan: dict[str, Any]) -> int:
+    """Rows the plan's INSERT/UPDATE/DELETE wrote (and returned)."""
+    return sum(
+        int(n["Actual Rows"]) for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "ModifyTable"
+    )
+
+
 def reads_index(plan: dict[str, Any], index: str) -> bool:
     return any(n.get("Index Name") == index for n in plan_nodes(plan["Plan"]))
 

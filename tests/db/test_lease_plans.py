@@ -23,10 +23,10 @@ from tests.db.plans import (
     explain,
     explained_session,
     hot_reads,
-    plan_nodes,
     plans_of,
     prepare,
     reads_index,
+    rows_written,
     take,
 )
 
@@ -121,8 +121,7 @@ async def test_writes_under_a_lease_probe_by_key_with_plans_kept_from_before(
         # reported. Never the running set.
         assert hot_reads(plan) <= 60, (name, hot_reads(plan))
         # And it did its work: the update wrote (and returned) its rows.
-        written = [n for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "ModifyTable"]
-        assert sum(int(n["Actual Rows"]) for n in written) >= 1, name
+        assert rows_written(plan) >= 1, name
 
 
 async def test_spend_reserve_checks_its_lease_by_key_with_a_plan_kept_from_before(
