@@ -1053,7 +1053,7 @@ async def explain_claim(side: BusSide, pending: int, limit: int = 7) -> Explaine
         "tenant_limit": RunnerConfig().tenant_cap,
         "tenant": None,
         "max_runtime": timedelta(minutes=10),  # the store's default for undeclared stages
-        "blocked_tiers": [],
+        "open_tiers": [""],
         "now": None,
         "finished_ids": [],
         "finished_tokens": [],

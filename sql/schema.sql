@@ -346,7 +346,9 @@ req AS (
            coalesce(r.context, 'null'::jsonb) AS context, r.from_agent, r.to_agent,
            coalesce(r.lane, s.lane, 'interactive') AS lane, coalesce(r.priority, 0) AS priority,
            coalesce(r.max_attempts, s.max_attempts, p_default_max_attempts) AS max_attempts,
-           r.not_before, r.deadline, r.hops, coalesce(p_now, now()) AS at
+           r.not_before, r.deadline, r.hops, coalesce(p_now, now()) AS at,
+           -- The stage's model tier, on the message for the claim's per-tier scans.
+           s.tier
     FROM raw r
     LEFT JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.stage
 ),
@@ -371,11 +373,11 @@ inserted AS (
     INSERT INTO agent_messages (
         id, tenant, pipeline, stage, source, source_id, idempotency_key, directive, context,
         from_agent, to_agent, lane, priority, max_attempts, not_before, deadline, hops,
-        created_at, updated_at)
+        created_at, updated_at, tier)
     SELECT keys.message_id, req.tenant, req.pipeline, req.stage, req.source, req.source_id,
            req.key, req.directive, req.context, req.from_agent, req.to_agent, req.lane,
            req.priority, req.max_attempts, coalesce(req.not_before, req.at), req.deadline,
-           coalesce(req.hops, 0), req.at, req.at
+           coalesce(req.hops, 0), req.at, req.at, req.tier
     FROM req JOIN keys ON keys.tenant = req.tenant AND keys.key = req.key
     WHERE keys.new
     RETURNING 1
@@ -868,6 +870,7 @@ CREATE TABLE appliance.agent_messages (
     hops integer DEFAULT 0 NOT NULL,
     waiting_for text,
     wait_expires_at timestamp with time zone,
+    tier text,
     CONSTRAINT agent_messages_attempts_check CHECK ((attempts >= 0)),
     CONSTRAINT agent_messages_directive_check CHECK ((btrim(directive) <> ''::text)),
     CONSTRAINT agent_messages_hops_check CHECK ((hops >= 0)),
@@ -1548,10 +1551,10 @@ CREATE INDEX agent_messages_held_budget_idx ON appliance.agent_messages USING bt
 CREATE INDEX agent_messages_lane_created_at_idx ON appliance.agent_messages USING btree (lane, created_at) WHERE (status = 'pending'::appliance.message_status);
 
 --
--- Name: agent_messages_lane_tenant_priority_not_before_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+-- Name: agent_messages_lane_tier_tenant_priority_not_before_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX agent_messages_lane_tenant_priority_not_before_id_idx ON appliance.agent_messages USING btree (lane, tenant, priority DESC, not_before, id) WHERE (status = 'pending'::appliance.message_status);
+CREATE INDEX agent_messages_lane_tier_tenant_priority_not_before_id_idx ON appliance.agent_messages USING btree (lane, COALESCE(tier, ''::text), tenant, priority DESC, not_before, id) WHERE (status = 'pending'::appliance.message_status);
 
 --
 -- Name: agent_messages_lease_expires_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner

@@ -176,7 +176,8 @@ class PgRunnerStore(PgMessageStore):
     # -- stage graphs ---------------------------------------------------------------------------
 
     async def sync_pipelines(self, pipelines: Sequence[Pipeline]) -> None:
-        """Write each declared pipeline's stage graph, replacing what was there (one tx each)."""
+        """Write each declared pipeline's stage graph, replacing what was there (one tx each);
+        the unfinished messages of a stage whose model tier changed get the new one."""
         for pipeline in pipelines:
             rows = pipeline.rows()
             async with self.db.system_tx() as conn:
@@ -185,10 +186,14 @@ class PgRunnerStore(PgMessageStore):
                     "SELECT pg_advisory_xact_lock(hashtext('pipeline:' || %s))", (pipeline.name,)
                 )
                 await conn.execute(q("pipeline_routes_clear"), {"pipeline": pipeline.name})
+                retier: list[str] = []
                 for row in rows:
-                    await conn.execute(
+                    cur = await conn.execute(
                         q("pipeline_stage_upsert"), {k: v for k, v in row.items() if k != "routes"}
                     )
+                    written = await cur.fetchone()
+                    if written is not None and written["retier"]:
+                        retier.append(row["stage"])
                 for row in rows:
                     for outcome, target in row["routes"].items():
                         await conn.execute(
@@ -200,10 +205,18 @@ class PgRunnerStore(PgMessageStore):
                                 "next_stage": target,
                             },
                         )
-                await conn.execute(
+                cur = await conn.execute(
                     q("pipeline_stages_prune"),
                     {"pipeline": pipeline.name, "stages": [r["stage"] for r in rows]},
                 )
+                retier += [r["stage"] for r in await cur.fetchall() if r["retier"]]
+                if retier:
+                    # Rare (a tier changed, a stage declared or dropped): one scan of the
+                    # pipeline's unfinished messages, in the same transaction as the change.
+                    await conn.execute(
+                        q("pipeline_messages_retier"),
+                        {"pipeline": pipeline.name, "stages": retier},
+                    )
 
     # -- runner health --------------------------------------------------------------------------
 

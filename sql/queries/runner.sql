@@ -4,7 +4,7 @@
 -- table's check), never the status: see the top of messages.sql.
 
 -- name: message_claim_lane :many
--- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit (the caller's finished but unacknowledged attempts, `finished_ids`/`finished_tokens`, not counted), checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
+-- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit; only work of the tiers in `open_tiers` ('' for work without model calls) (the caller's finished but unacknowledged attempts, `finished_ids`/`finished_tokens`, not counted), checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
 WITH nondurable AS MATERIALIZED (
     -- A claim is one round trip: its own implicit transaction, made non-durable here rather
     -- than by a SET LOCAL in a transaction block (which costs three more statements). A server
@@ -40,16 +40,19 @@ eligible AS MATERIALIZED (
     LEFT JOIN finished f ON f.tenant = r.tenant
     WHERE r.claimed - x.released - coalesce(f.n, 0) < coalesce(t.max_running, %(tenant_limit)s)
       AND (%(tenant)s::text IS NULL OR r.tenant = %(tenant)s::text)
-      -- One probe per tenant, whatever the statistics were when the generic plan was built
-      -- (an empty table, on a fresh box): OFFSET 0 keeps this a correlated subplan, never a
-      -- semi-join that reads (and groups) the lane's whole backlog, and the pending index's
-      -- order makes that index the one probed (another lane index would filter by tenant).
+      -- One probe per tenant and open tier ('' for work without model calls), whatever the
+      -- statistics were when the generic plan was built (an empty table, on a fresh box):
+      -- OFFSET 0 keeps it a correlated subplan, never a semi-join that reads (and groups) the
+      -- lane's whole backlog; the pending index's order makes it the index probed.
       AND EXISTS (
-          SELECT FROM agent_messages m
-          WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = r.tenant
-            AND m.not_before <= clock(%(now)s)
-          ORDER BY m.priority DESC, m.not_before, m.id LIMIT 1 OFFSET 0
-      )
+          SELECT FROM unnest(%(open_tiers)s::text[]) AS o(tier)
+          CROSS JOIN LATERAL (
+              SELECT FROM agent_messages m
+              WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
+                AND coalesce(m.tier, '') = o.tier AND m.tenant = r.tenant
+                AND m.not_before <= clock(%(now)s)
+              ORDER BY m.priority DESC, m.not_before, m.id LIMIT 1 OFFSET 0
+          ) AS x)
     ORDER BY r.last_claimed_at NULLS FIRST, r.tenant
     LIMIT %(limit)s
 ),
@@ -59,28 +62,29 @@ shares AS (
     FROM eligible e
 ),
 picked AS MATERIALIZED (
+    -- Each tenant's share in priority order: one bounded scan per open tier (locking as it
+    -- goes, skipping rows other claimers hold), merged; a blocked tier's backlog is never read
+    -- (migration 0017). Rows beyond the merged share stay locked until this statement ends.
     SELECT c.id, c.tenant, c.rank, s.last_claimed_at, ps.max_runtime
     FROM shares s
     CROSS JOIN LATERAL (
         SELECT m.id, m.tenant, m.pipeline, m.stage,
                row_number() OVER (ORDER BY m.priority DESC, m.not_before, m.id) AS rank
-        FROM (
+        FROM unnest(%(open_tiers)s::text[]) AS o(tier)
+        CROSS JOIN LATERAL (
             SELECT m.id, m.tenant, m.pipeline, m.stage, m.priority, m.not_before
             FROM agent_messages m
-            WHERE m.status = 'pending' AND m.lane = %(lane)s::lane AND m.tenant = s.tenant
+            WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
+              AND coalesce(m.tier, '') = o.tier AND m.tenant = s.tenant
               AND m.not_before <= clock(%(now)s)
               AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
-              -- Backpressure: stages whose model tier has no room in this runner's pool wait.
-              AND (cardinality(%(blocked_tiers)s::text[]) = 0 OR NOT EXISTS (
-                  SELECT FROM pipeline_stages b
-                  WHERE b.pipeline = m.pipeline AND b.stage = m.stage
-                    AND b.tier = ANY(%(blocked_tiers)s::text[])))
             ORDER BY m.priority DESC, m.not_before, m.id
             LIMIT s.share
             FOR UPDATE OF m SKIP LOCKED
         ) AS m
     ) AS c
     LEFT JOIN pipeline_stages ps ON ps.pipeline = c.pipeline AND ps.stage = c.stage
+    WHERE c.rank <= s.share
 ),
 counters AS MATERIALIZED (
     -- The serialisation point: lock the claim counters of the tenants picked, in tenant order
@@ -113,22 +117,19 @@ backlog AS (
     -- The lane's claimable-looking work as this claim found it (at most limit + 1 rows): more
     -- than it took means tenant limits, locks or backpressure left some behind, so the
     -- runner asks again when its own work finishes; otherwise it waits for the doorbell.
-    SELECT count(*) AS pending
-    FROM (
+    SELECT least(count(*), %(limit)s + 1) AS pending
+    FROM unnest(%(open_tiers)s::text[]) AS o(tier)
+    CROSS JOIN LATERAL (
         SELECT FROM agent_messages m
         WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
-          AND m.not_before <= clock(%(now)s)
+          AND coalesce(m.tier, '') = o.tier AND m.not_before <= clock(%(now)s)
           -- What `picked` could take: not work for another tenant, late work (the expirer's)
           -- or work of a blocked tier (a runner without a pool would otherwise ask again
           -- after every message, in vain).
           AND (%(tenant)s::text IS NULL OR m.tenant = %(tenant)s::text)
           AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
-          AND (cardinality(%(blocked_tiers)s::text[]) = 0 OR NOT EXISTS (
-              SELECT FROM pipeline_stages b
-              WHERE b.pipeline = m.pipeline AND b.stage = m.stage
-                AND b.tier = ANY(%(blocked_tiers)s::text[])))
         -- The pending index's order: read from the index, never a heap scan through history.
-        ORDER BY m.lane, m.tenant, m.priority DESC, m.not_before, m.id
+        ORDER BY m.lane, coalesce(m.tier, ''), m.tenant, m.priority DESC, m.not_before, m.id
         LIMIT %(limit)s + 1
     ) AS p
 ),
@@ -233,8 +234,11 @@ SELECT archive_messages(
 -- Delete one bounded batch of expired idempotency keys (0 while another runner purges).
 SELECT purge_idempotency_keys(%(now)s::timestamptz, %(batch)s) AS purged;
 
--- name: pipeline_stage_upsert :exec
--- Write one declared stage (the runner syncs its pipelines' graphs on start).
+-- name: pipeline_stage_upsert :one
+-- Write one declared stage (the runner syncs its pipelines' graphs on start); `retier`: its model tier is not the one its messages were stamped with (a new stage with a tier, or a changed tier).
+WITH before AS (
+    SELECT s.tier FROM pipeline_stages s WHERE s.pipeline = %(pipeline)s AND s.stage = %(stage)s
+)
 INSERT INTO pipeline_stages
     (pipeline, stage, lane, task_kind, tier, handler, directive, max_runtime, max_attempts,
      updated_at)
@@ -244,7 +248,8 @@ ON CONFLICT (pipeline, stage) DO UPDATE
 SET lane = excluded.lane, task_kind = excluded.task_kind, tier = excluded.tier,
     handler = excluded.handler,
     directive = excluded.directive, max_runtime = excluded.max_runtime,
-    max_attempts = excluded.max_attempts, updated_at = excluded.updated_at;
+    max_attempts = excluded.max_attempts, updated_at = excluded.updated_at
+RETURNING (SELECT b.tier FROM before b) IS DISTINCT FROM %(tier)s::text AS retier;
 
 -- name: pipeline_routes_clear :exec
 -- Forget a pipeline's routes before writing the declared ones.
@@ -255,9 +260,34 @@ DELETE FROM stage_routes WHERE pipeline = %(pipeline)s;
 INSERT INTO stage_routes (pipeline, stage, outcome, next_stage)
 VALUES (%(pipeline)s, %(stage)s, %(outcome)s, %(next_stage)s);
 
--- name: pipeline_stages_prune :exec
--- Forget stages a pipeline no longer declares.
-DELETE FROM pipeline_stages WHERE pipeline = %(pipeline)s AND NOT (stage = ANY(%(stages)s));
+-- name: pipeline_stages_prune :many
+-- Forget stages a pipeline no longer declares; the stages forgotten that had a model tier.
+DELETE FROM pipeline_stages
+WHERE pipeline = %(pipeline)s AND NOT (stage = ANY(%(stages)s))
+RETURNING stage, tier IS NOT NULL AS retier;
+
+-- name: pipeline_messages_retier :exec
+-- Stamp the unfinished messages of these stages of a pipeline with their stage's model tier now (NULL: no model work, or a stage no longer declared), which the claim scans by (migration 0017); locked in id order. Rare: a stage's tier changed or first declared.
+WITH stages AS (
+    SELECT u.stage, ps.tier
+    FROM unnest(%(stages)s::text[]) AS u(stage)
+    LEFT JOIN pipeline_stages ps ON ps.pipeline = %(pipeline)s AND ps.stage = u.stage
+),
+victims AS MATERIALIZED (
+    SELECT m.id, s.tier
+    FROM agent_messages m
+    JOIN stages s ON s.stage = m.stage
+    WHERE m.pipeline = %(pipeline)s
+      AND m.status IN ('pending', 'running', 'awaiting_approval', 'held_budget',
+                       'waiting_capability')
+      AND m.tier IS DISTINCT FROM s.tier
+    ORDER BY m.id
+    FOR UPDATE OF m
+)
+UPDATE agent_messages m
+SET tier = v.tier
+FROM victims v
+WHERE m.id = v.id;
 
 -- name: runner_register :exec
 -- Record a runner at start (a restart with the same id starts afresh).

@@ -194,7 +194,7 @@ async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
         "tenant_limit": 10**6,
         "tenant": None,
         "max_runtime": "10 minutes",
-        "blocked_tiers": "{}",
+        "open_tiers": '{""}',
         "now": None,
         "finished_ids": "{}",
         "finished_tokens": "{}",
