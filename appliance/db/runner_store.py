@@ -177,7 +177,7 @@ class PgRunnerStore(PgMessageStore):
 
     async def sync_pipelines(self, pipelines: Sequence[Pipeline]) -> None:
         """Write each declared pipeline's stage graph, replacing what was there (one tx each);
-        the unfinished messages of a stage whose model tier changed get the new one."""
+        the messages of a stage whose model tier changed get the new one, unless finished."""
         for pipeline in pipelines:
             rows = pipeline.rows()
             async with self.db.system_tx() as conn:

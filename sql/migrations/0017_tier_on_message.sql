@@ -22,8 +22,7 @@ UPDATE agent_messages m
 SET tier = s.tier
 FROM pipeline_stages s
 WHERE s.pipeline = m.pipeline AND s.stage = m.stage AND s.tier IS NOT NULL
-  AND m.status IN ('pending', 'running', 'awaiting_approval', 'held_budget',
-                   'waiting_capability');
+  AND m.status NOT IN ('done', 'cancelled', 'expired');
 
 DROP INDEX agent_messages_lane_tenant_priority_not_before_id_idx;
 CREATE INDEX agent_messages_lane_tier_tenant_priority_not_before_id_idx

@@ -267,7 +267,7 @@ WHERE pipeline = %(pipeline)s AND NOT (stage = ANY(%(stages)s))
 RETURNING stage, tier IS NOT NULL AS retier;
 
 -- name: pipeline_messages_retier :exec
--- Stamp the unfinished messages of these stages of a pipeline with their stage's model tier now (NULL: no model work, or a stage no longer declared), which the claim scans by (migration 0017); locked in id order. Rare: a stage's tier changed or first declared.
+-- Stamp the unfinished (and dead, re-drivable) messages of these stages of a pipeline with their stage's model tier now (NULL: no model work, or a stage no longer declared), which the claim scans by (migration 0017); locked in id order. Rare: a stage's tier changed or first declared.
 WITH stages AS (
     SELECT u.stage, ps.tier
     FROM unnest(%(stages)s::text[]) AS u(stage)
@@ -278,8 +278,8 @@ victims AS MATERIALIZED (
     FROM agent_messages m
     JOIN stages s ON s.stage = m.stage
     WHERE m.pipeline = %(pipeline)s
-      AND m.status IN ('pending', 'running', 'awaiting_approval', 'held_budget',
-                       'waiting_capability')
+      -- Dead messages too: a redrive sends them back to pending.
+      AND m.status NOT IN ('done', 'cancelled', 'expired')
       AND m.tier IS DISTINCT FROM s.tier
     ORDER BY m.id
     FOR UPDATE OF m

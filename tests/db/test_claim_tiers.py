@@ -179,16 +179,18 @@ async def test_messages_carry_their_stages_tier_through_redeclaration(quiet_db: 
     taken, _ = await claim(rstore, 10, (Tier.REASONING,))
     assert [m.stage for m in taken] == ["plain", "plain"]
     # New work is stamped at enqueue, stage hand-offs included (enqueue_requests).
-    await enqueue(bus, "plain", 2, start=2)
+    await enqueue(bus, "plain", 3, start=2)
     await enqueue(bus, "classify", 1)
     assert await tiers_by_stage(quiet_db) == {
         "plain": {None},
         "draft": {"reasoning"},
         "classify": {"mechanical"},
     }
-    # A redeclared stage's unfinished messages take its new tier (running ones included).
-    (running,), _ = await claim(rstore, 1, (Tier.MECHANICAL, Tier.REASONING))
-    assert running.stage == "plain"
+    # A redeclared stage's unfinished messages take its new tier: running ones, and dead ones
+    # (a redrive sends them back to pending); finished ones keep theirs.
+    running, dead = (await claim(rstore, 2, (Tier.MECHANICAL, Tier.REASONING)))[0]
+    assert running.stage == dead.stage == "plain"
+    assert await rstore.terminate(dead.lease, reason="test")
     await rstore.sync_pipelines([support(plain_kind="extract")])
     assert await tiers_by_stage(quiet_db) == {
         "plain": {"mechanical"},
@@ -198,12 +200,13 @@ async def test_messages_carry_their_stages_tier_through_redeclaration(quiet_db: 
     async with await psycopg.AsyncConnection.connect(
         quiet_db.endpoints.admin, autocommit=True
     ) as conn:
-        row = await (
+        rows = await (
             await conn.execute(
-                "SELECT tier FROM appliance.agent_messages WHERE id = %s", (running.id,)
+                "SELECT tier FROM appliance.agent_messages WHERE id = ANY(%s) ORDER BY id",
+                ([running.id, dead.id],),
             )
-        ).fetchone()
-    assert row == ("mechanical",)
+        ).fetchall()
+    assert rows == [("mechanical",), ("mechanical",)]
     # A stage no longer declared: its work has no model tier any more.
     await rstore.sync_pipelines(
         [Pipeline("support", (Stage("draft", noop, task_kind="draft", uses_model=True),))]
