@@ -330,7 +330,8 @@ FROM nondurable
 WHERE m.id = ANY(ARRAY(
     SELECT p.id FROM appliance.agent_messages p
     WHERE p.status = 'pending' AND p.lane = %(lane)s::appliance.lane AND p.not_before <= now()
-    ORDER BY p.lane, p.tenant, p.priority DESC, p.not_before, p.id
+      AND coalesce(p.tier, '') = ''
+    ORDER BY p.lane, coalesce(p.tier, ''), p.tenant, p.priority DESC, p.not_before, p.id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED))
 RETURNING m.*, 0::bigint AS lane_pending

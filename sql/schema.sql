@@ -330,6 +330,11 @@ IF p_scope IS NOT NULL THEN
     PERFORM set_config('appliance.tenant', p_scope, true);
 END IF;
 -- Unknown tenants are refused by the insert trigger (agent_messages_log_insert, below).
+-- The stage tiers read below are current: a pipeline sync that changes one takes this lock
+-- exclusively before it re-stamps messages, so it waits for every enqueue that may have read the
+-- old tier to commit (and then sees its rows), and enqueues after it wait for its commit. Taken
+-- before the statement below, whose snapshot is then taken after the wait.
+PERFORM pg_advisory_xact_lock_shared(hashtext('appliance'), hashtext('stage_tiers'));
 RETURN QUERY
 WITH raw AS (
     SELECT (e.n - 1)::integer AS ord, e.r->>0 AS tenant, e.r->>1 AS pipeline, e.r->>2 AS stage,

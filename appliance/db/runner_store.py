@@ -3,12 +3,15 @@ release, stage graphs, runner health and archival (the RunnerStore port)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 from psycopg.types.json import Jsonb
 
 from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore, run_batches, run_fenced
@@ -17,6 +20,13 @@ from appliance.domain.envelope import LeaseRef, storable_text
 from appliance.domain.inference import CallRecord, Tier
 from appliance.domain.pipeline import Pipeline
 from appliance.domain.ports import BusStatus, RunnerInfo
+
+log = logging.getLogger(__name__)
+
+# Passes (and the pause before each) that re-stamp messages a sync skipped because an
+# acknowledgement held them at that moment.
+RETIER_ATTEMPTS = 100
+RETIER_PAUSE_S = 0.05
 
 
 class PgRunnerStore(PgMessageStore):
@@ -187,6 +197,7 @@ class PgRunnerStore(PgMessageStore):
                 )
                 await conn.execute(q("pipeline_routes_clear"), {"pipeline": pipeline.name})
                 retier: list[str] = []
+                stale = False
                 for row in rows:
                     cur = await conn.execute(
                         q("pipeline_stage_upsert"), {k: v for k, v in row.items() if k != "routes"}
@@ -211,12 +222,39 @@ class PgRunnerStore(PgMessageStore):
                 )
                 retier += [r["stage"] for r in await cur.fetchall() if r["retier"]]
                 if retier:
-                    # Rare (a tier changed, a stage declared or dropped): one scan of the
-                    # pipeline's unfinished messages, in the same transaction as the change.
-                    await conn.execute(
-                        q("pipeline_messages_retier"),
-                        {"pipeline": pipeline.name, "stages": retier},
-                    )
+                    # Rare (a tier changed, a stage declared or dropped). Enqueues in flight may
+                    # have read the old tier: wait for them, then re-stamp, in the same
+                    # transaction as the change.
+                    await conn.execute(q("stage_tiers_fence"))
+                    stale = await self._retier(conn, pipeline.name, retier)
+            if retier and stale:
+                await self._retier_skipped(pipeline.name, retier)
+
+    async def _retier(
+        self, conn: psycopg.AsyncConnection[Any], pipeline: str, stages: list[str]
+    ) -> bool:
+        """One re-stamping pass; whether it left rows with a stale tier (they were locked)."""
+        cur = await conn.execute(
+            q("pipeline_messages_retier"), {"pipeline": pipeline, "stages": stages}
+        )
+        row = await cur.fetchone()
+        return row is not None and row["stale"] > row["stamped"]
+
+    async def _retier_skipped(self, pipeline: str, stages: list[str]) -> None:
+        """Re-stamp the rows the sync skipped (an acknowledgement held them: it commits within
+        moments, and may have sent them back to pending with the old tier)."""
+        for _ in range(RETIER_ATTEMPTS):
+            await asyncio.sleep(RETIER_PAUSE_S)
+            async with self.db.system_tx() as conn:
+                if not await self._retier(conn, pipeline, stages):
+                    return
+        log.warning(
+            "messages of %s stages %s still carry an old model tier after %d passes (locked "
+            "throughout); they keep it until a sync changes these stages' tiers again",
+            pipeline,
+            stages,
+            RETIER_ATTEMPTS,
+        )
 
     # -- runner health --------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@
 -- backlog; the same claim now reads a few dozen rows.
 --
 -- The stage's tier now sits on the message (copied from pipeline_stages at enqueue; a runner's
--- pipeline sync re-stamps the unfinished messages of a stage whose tier it changed), and the
+-- pipeline sync re-stamps the unfinished messages of a stage whose tier it changed, fenced
+-- against enqueues in flight by an advisory lock that enqueues share), and the
 -- pending index leads with (lane, tier), '' standing for work without model calls. A claim
 -- scans the index once per tier open to it, '' included, each scan in priority order, and
 -- merges them; a blocked tier's rows are never read. Work without model calls (the only kind
@@ -47,6 +48,11 @@ IF p_scope IS NOT NULL THEN
     PERFORM set_config('appliance.tenant', p_scope, true);
 END IF;
 -- Unknown tenants are refused by the insert trigger (agent_messages_log_insert, below).
+-- The stage tiers read below are current: a pipeline sync that changes one takes this lock
+-- exclusively before it re-stamps messages, so it waits for every enqueue that may have read the
+-- old tier to commit (and then sees its rows), and enqueues after it wait for its commit. Taken
+-- before the statement below, whose snapshot is then taken after the wait.
+PERFORM pg_advisory_xact_lock_shared(hashtext('appliance'), hashtext('stage_tiers'));
 RETURN QUERY
 WITH raw AS (
     SELECT (e.n - 1)::integer AS ord, e.r->>0 AS tenant, e.r->>1 AS pipeline, e.r->>2 AS stage,

@@ -266,28 +266,41 @@ DELETE FROM pipeline_stages
 WHERE pipeline = %(pipeline)s AND NOT (stage = ANY(%(stages)s))
 RETURNING stage, tier IS NOT NULL AS retier;
 
--- name: pipeline_messages_retier :exec
--- Stamp the unfinished (and dead, re-drivable) messages of these stages of a pipeline with their stage's model tier now (NULL: no model work, or a stage no longer declared), which the claim scans by (migration 0017); locked in id order. Rare: a stage's tier changed or first declared.
+-- name: stage_tiers_fence :exec
+-- Wait for every enqueue in flight (each holds this lock shared while it reads stage tiers) and hold new ones off until this transaction ends: taken by a pipeline sync that changed a stage's tier, before it re-stamps the stage's messages.
+SELECT pg_advisory_xact_lock(hashtext('appliance'), hashtext('stage_tiers'));
+
+-- name: pipeline_messages_retier :one
+-- Stamp the not yet finished messages of these stages of a pipeline (dead ones included: a redrive revives them) with their stage's model tier now (NULL: no model work, or a stage no longer declared), which the claim scans by (migration 0017). Rows another statement holds (an acknowledgement in flight) are skipped, never waited for; `stale`: the rows found with another tier, `stamped`: those re-stamped. Rare: a stage's tier changed, or a stage with one was declared or dropped.
 WITH stages AS (
     SELECT u.stage, ps.tier
     FROM unnest(%(stages)s::text[]) AS u(stage)
     LEFT JOIN pipeline_stages ps ON ps.pipeline = %(pipeline)s AND ps.stage = u.stage
 ),
-victims AS MATERIALIZED (
+stale AS MATERIALIZED (
     SELECT m.id, s.tier
     FROM agent_messages m
     JOIN stages s ON s.stage = m.stage
     WHERE m.pipeline = %(pipeline)s
-      -- Dead messages too: a redrive sends them back to pending.
       AND m.status NOT IN ('done', 'cancelled', 'expired')
       AND m.tier IS DISTINCT FROM s.tier
+),
+victims AS MATERIALIZED (
+    SELECT m.id, st.tier
+    FROM agent_messages m
+    JOIN stale st ON st.id = m.id
+    WHERE m.tier IS DISTINCT FROM st.tier
     ORDER BY m.id
-    FOR UPDATE OF m
+    FOR UPDATE OF m SKIP LOCKED
+),
+stamped AS (
+    UPDATE agent_messages m
+    SET tier = v.tier
+    FROM victims v
+    WHERE m.id = v.id
+    RETURNING m.id
 )
-UPDATE agent_messages m
-SET tier = v.tier
-FROM victims v
-WHERE m.id = v.id;
+SELECT (SELECT count(*) FROM stale) AS stale, (SELECT count(*) FROM stamped) AS stamped;
 
 -- name: runner_register :exec
 -- Record a runner at start (a restart with the same id starts afresh).

@@ -7,6 +7,7 @@ model calls and each open tier's work in their own index order, then merges them
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -216,17 +217,115 @@ async def test_messages_carry_their_stages_tier_through_redeclaration(quiet_db: 
         "draft": {"reasoning"},
         "classify": {None},
     }
-    # Unchanged declarations touch no message (nothing to re-stamp).
+    # An unchanged declaration re-stamps nothing (no pass over the messages): a tier set by
+    # hand stays as it is.
+    await admin_sql(
+        quiet_db,
+        f"UPDATE appliance.agent_messages SET tier = 'mechanical' WHERE id = {running.id}",
+    )
+    await rstore.sync_pipelines(
+        [Pipeline("support", (Stage("draft", noop, task_kind="draft", uses_model=True),))]
+    )
     async with await psycopg.AsyncConnection.connect(
         quiet_db.endpoints.admin, autocommit=True
     ) as conn:
-        before = await (
-            await conn.execute("SELECT sum(xmin::text::bigint) FROM appliance.agent_messages")
+        row = await (
+            await conn.execute(
+                "SELECT tier FROM appliance.agent_messages WHERE id = %s", (running.id,)
+            )
         ).fetchone()
-        await rstore.sync_pipelines(
-            [Pipeline("support", (Stage("draft", noop, task_kind="draft", uses_model=True),))]
+    assert row == ("mechanical",)
+
+
+async def test_stage_hand_off_stamps_the_next_stages_tier(quiet_db: Database) -> None:
+    rstore = PgRunnerStore(quiet_db)
+    pipeline = Pipeline(
+        "support",
+        (
+            Stage("classify", noop, task_kind="classify", uses_model=True, next={"ok": "draft"}),
+            Stage("draft", noop, task_kind="draft", uses_model=True),
+        ),
+    )
+    await rstore.sync_pipelines([pipeline])
+    bus = Bus(rstore)
+    await enqueue(bus, "classify", 1)
+    (ticket,), _ = await claim(rstore, 1, ())
+    await bus.complete(ticket.lease)
+    assert await tiers_by_stage(quiet_db) == {"draft": {"reasoning"}}
+
+
+async def test_a_sync_changing_a_tier_waits_for_enqueues_in_flight(quiet_db: Database) -> None:
+    # An enqueue that read the old tier and commits after the sync's re-stamping began would
+    # keep it for good: the sync waits for it, then re-stamps its message too.
+    rstore = PgRunnerStore(quiet_db)
+    await rstore.sync_pipelines([support()])
+    request = (
+        '[["acme", "support", "plain", "t", "late", "k-late", "work", null, null, null, null,'
+        " null, null, null, null, null]]"
+    )
+    async with await psycopg.AsyncConnection.connect(quiet_db.endpoints.admin) as enqueuer:
+        await enqueuer.execute(
+            "SELECT * FROM appliance.enqueue_requests(now(), '1 day', %s::jsonb)", (request,)
         )
-        after = await (
-            await conn.execute("SELECT sum(xmin::text::bigint) FROM appliance.agent_messages")
+        sync = asyncio.create_task(rstore.sync_pipelines([support(plain_kind="draft")]))
+        # The sync waits on the enqueue's transaction (seen in pg_locks, not by timing).
+        async with await psycopg.AsyncConnection.connect(
+            quiet_db.endpoints.admin, autocommit=True
+        ) as watcher:
+            for _ in range(500):
+                waiting = await (
+                    await watcher.execute(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                    )
+                ).fetchone()
+                if waiting == (1,) or sync.done():
+                    break
+                await asyncio.sleep(0.01)
+        assert not sync.done() and waiting == (1,)
+        await enqueuer.commit()
+    await asyncio.wait_for(sync, 10)
+    assert await tiers_by_stage(quiet_db) == {"plain": {"reasoning"}}
+
+
+async def test_a_sync_re_stamps_rows_an_acknowledgement_held(quiet_db: Database) -> None:
+    # The re-stamping never waits for a row another statement holds (an acknowledgement of a
+    # batch could hold it while it waits for one the sync holds); it comes back for it.
+    rstore = PgRunnerStore(quiet_db)
+    await rstore.sync_pipelines([support()])
+    await enqueue(Bus(rstore), "plain", 1)
+    (held,), _ = await claim(rstore, 1, ())
+    async with await psycopg.AsyncConnection.connect(quiet_db.endpoints.admin) as acker:
+        await acker.execute(
+            "SELECT FROM appliance.agent_messages WHERE id = %s FOR UPDATE", (held.id,)
+        )
+        sync = asyncio.create_task(rstore.sync_pipelines([support(plain_kind="draft")]))
+        async with await psycopg.AsyncConnection.connect(
+            quiet_db.endpoints.admin, autocommit=True
+        ) as watcher:
+            for _ in range(500):
+                declared = await (
+                    await watcher.execute(
+                        "SELECT tier FROM appliance.pipeline_stages WHERE stage = 'plain'"
+                    )
+                ).fetchone()
+                if declared == ("reasoning",) or sync.done():
+                    break
+                await asyncio.sleep(0.01)
+            # The change committed, the held row not re-stamped yet: the sync is still at it.
+            row = await (
+                await watcher.execute(
+                    "SELECT tier FROM appliance.agent_messages WHERE id = %s", (held.id,)
+                )
+            ).fetchone()
+        assert declared == ("reasoning",) and row == (None,) and not sync.done()
+        await acker.commit()
+    await asyncio.wait_for(sync, 10)
+    async with await psycopg.AsyncConnection.connect(
+        quiet_db.endpoints.admin, autocommit=True
+    ) as conn:
+        row = await (
+            await conn.execute(
+                "SELECT tier FROM appliance.agent_messages WHERE id = %s", (held.id,)
+            )
         ).fetchone()
-    assert before == after
+    assert row == ("reasoning",)
