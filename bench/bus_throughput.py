@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -56,7 +56,8 @@ from appliance.db.database import Database, Endpoints
 from appliance.db.message_store import PgMessageStore
 from appliance.db.migrate import migrate
 from appliance.db.tenant_store import PgTenantStore
-from appliance.domain.envelope import EnqueueRequest
+from appliance.domain.envelope import EnqueueRequest, Lane, Message
+from appliance.domain.inference import Tier
 from appliance.domain.ports import Completion
 from bench.harness import (
     Measurement,
@@ -237,11 +238,25 @@ class BusTarget:
         assert m.sample is not None
         return m.sample
 
-    async def claim_complete(self, n: int, workers: int, limit: int, held: int = 0) -> Sample:
+    async def claim_complete(
+        self, n: int, workers: int, limit: int, held: int = 0, blocked: int = 0
+    ) -> Sample:
         """Claim and complete `n` messages; `held` more are claimed first (untimed) and kept
         running throughout, claimed after the statistics were taken (as when a burst of slow
-        work outruns autovacuum)."""
+        work outruns autovacuum). `blocked`: that many messages of a reasoning-tier stage are
+        queued ahead of them, and every claim is made with the reasoning tier blocked (as by a
+        runner whose reasoning pool is full): lane claims of the store, as the runner makes."""
         await self.reset()
+        if blocked:
+            await self.admin_sql(
+                "INSERT INTO appliance.pipeline_stages (pipeline, stage, lane, task_kind, tier,"
+                " handler, directive, max_runtime, max_attempts) VALUES ('bench', 'draft',"
+                " 'interactive', 'draft', 'reasoning', 'bench', 'draft', '10 minutes', 5)"
+                " ON CONFLICT DO NOTHING"
+            )
+            drafts = [replace(r, stage="draft") for r in self.requests(blocked)]
+            for start in range(0, blocked, BATCH):
+                await self.bus.enqueue_many(drafts[start : start + BATCH])
         await self.prefill(n + held)
         bus = self.bus
         while held > 0:
@@ -249,10 +264,26 @@ class BusTarget:
             assert taken, "the backlog ran out while taking the held messages"
             held -= len(taken)
 
+        store = bus.store
+        assert isinstance(store, PgMessageStore)
+
+        async def claim(name: str) -> list[Message]:
+            if not blocked:
+                return await bus.claim(name, limit=limit)
+            found = await store.claim_lane(
+                worker=name,
+                lane=Lane.INTERACTIVE,
+                limit=limit,
+                lease=bus.config.lease,
+                tenant_limit=10**6,
+                blocked_tiers=(Tier.REASONING,),
+            )
+            return found.messages
+
         async def worker(name: str) -> int:
             done = 0
             while True:
-                batch = await bus.claim(name, limit=limit)
+                batch = await claim(name)
                 if not batch:
                     return done
                 if limit == 1:
@@ -865,6 +896,14 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
             ),
             (
                 Row(
+                    f"store lane claim(10) + complete_many, 1 worker, {ns:,} pending behind"
+                    f" {s.held:,} of a blocked model tier (reasoning pool full)",
+                    _m("shallow, behind a blocked tier: claim10 x1"),
+                ),
+                lambda: bus.claim_complete(ns, 1, 10, blocked=s.held),
+            ),
+            (
+                Row(
                     f"raw claim10 + done, 4 workers, {ns:,} pending", _m("shallow: raw claim10 x4")
                 ),
                 lambda: raw.claim_complete(ns, 4, 10),
@@ -1092,6 +1131,14 @@ def _reading(report: Report) -> list[str]:
             f"- with {report.sizes.held:,} more messages running, claimed after the last"
             f" ANALYZE: claim(10) + complete_many, 1 worker, {fmt_rate(many.median)} msgs/s,"
             f" {many.median / alone.median:.2f}x the rate without them in this run."
+        )
+    behind = diag.get("shallow, behind a blocked tier: claim10 x1")
+    if behind and alone:
+        out.append(
+            f"- with {report.sizes.held:,} messages of a blocked model tier queued ahead (claims"
+            f" made with that tier blocked, as by a runner whose reasoning pool is full):"
+            f" claim(10) + complete_many, 1 worker, {fmt_rate(behind.median)} msgs/s,"
+            f" {behind.median / alone.median:.2f}x the rate without them in this run."
         )
     enq = by_name.get(f"bus.enqueue_many ({BATCH:,}), {report.sizes.diag_claim:,} pending")
     if enq:
