@@ -20,6 +20,41 @@ from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
 from appliance.domain.envelope import Lane, LeaseRef
 
+# The claim statement's parameter types (PREPARE needs them).
+CLAIM_TYPES = {
+    "worker": "text",
+    "lane": "lane",
+    "limit": "integer",
+    "lease": "interval",
+    "tenant_limit": "integer",
+    "tenant": "text",
+    "max_runtime": "interval",
+    "open_tiers": "text[]",
+    "now": "timestamptz",
+    "finished_ids": "bigint[]",
+    "finished_tokens": "bigint[]",
+}
+
+
+def claim_values(**overrides: Any) -> dict[str, Any]:
+    """Arguments of the claim statement as text literals (a claim of 10 with no tier blocked
+    but model work's, no tenant limit in the way), with `overrides`."""
+    values: dict[str, Any] = {
+        "worker": "w",
+        "lane": "interactive",
+        "limit": 10,
+        "lease": "60 seconds",
+        "tenant_limit": 10**6,
+        "tenant": None,
+        "max_runtime": "10 minutes",
+        "open_tiers": '{""}',
+        "now": None,
+        "finished_ids": "{}",
+        "finished_tokens": "{}",
+    }
+    values.update(overrides)
+    return values
+
 
 def positional(statement: str) -> tuple[str, list[str]]:
     """A named statement with $1, $2, ... for its %(name)s parameters (for PREPARE), and the

@@ -11,7 +11,6 @@ history) and counts the rows the statement reads now."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -26,6 +25,7 @@ from appliance.domain.ports import Completion
 from tests.db.plans import (
     admin_sql,
     backlog,
+    claim_values,
     explain,
     explained_session,
     hot_reads,
@@ -186,19 +186,6 @@ async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
     )
     await backlog(quiet_db, 2100)
     (first,) = await take(rstore, 1)
-    claim_args: dict[str, Any] = {
-        "worker": "w",
-        "lane": "interactive",
-        "limit": 10,
-        "lease": "60 seconds",
-        "tenant_limit": 10**6,
-        "tenant": None,
-        "max_runtime": "10 minutes",
-        "open_tiers": '{""}',
-        "now": None,
-        "finished_ids": "{}",
-        "finished_tokens": "{}",
-    }
     async with explained_session(quiet_db.endpoints.admin) as (conn, plans):
         ack = q("message_complete")
         one = complete_params([Completion(first)], actor="test", now=None)
@@ -206,7 +193,7 @@ async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
         many = await take(rstore, 2000)
         plans.clear()
         await conn.execute(ack, complete_params([Completion(x) for x in many], actor="t", now=None))
-        await conn.execute(q("message_claim_lane"), claim_args)
+        await conn.execute(q("message_claim_lane"), claim_values())
     joins = plans_of(plans, "JOIN old_rows o ON o.id = n.id")
     assert len(joins) >= 5  # the counts, the log, the leases ended; then the claim's
     for plan in joins:

@@ -20,7 +20,15 @@ from appliance.db.runner_store import PgRunnerStore
 from appliance.domain.envelope import Lane, Message
 from appliance.domain.inference import Tier
 from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
-from tests.db.plans import admin_sql, explain, hot_reads, prepare, rows_written
+from tests.db.plans import (
+    CLAIM_TYPES,
+    admin_sql,
+    claim_values,
+    explain,
+    hot_reads,
+    prepare,
+    rows_written,
+)
 
 DRAFTS = 5000  # the reasoning tier's backlog, ahead of everything else
 
@@ -79,6 +87,29 @@ async def claim(
     return found.messages, found.left_behind
 
 
+async def admin_row(db: Database, sql: str, *params: Any) -> tuple[Any, ...] | None:
+    """One row of a query as the superuser, autocommit."""
+    async with await psycopg.AsyncConnection.connect(db.endpoints.admin, autocommit=True) as conn:
+        return await (await conn.execute(sql, params)).fetchone()
+
+
+async def tier_of(db: Database, message_id: int) -> str | None:
+    row = await admin_row(db, "SELECT tier FROM appliance.agent_messages WHERE id = %s", message_id)
+    assert row is not None
+    tier: str | None = row[0]
+    return tier
+
+
+async def watch(db: Database, sql: str, want: tuple[Any, ...], task: asyncio.Task[None]) -> Any:
+    """The row `sql` gives once it is `want` (or `task` ended first; at most ~5 s)."""
+    for _ in range(500):
+        row = await admin_row(db, sql)
+        if row == want or task.done():
+            break
+        await asyncio.sleep(0.01)
+    return row
+
+
 async def tiers_by_stage(db: Database) -> dict[str, set[str | None]]:
     async with await psycopg.AsyncConnection.connect(db.endpoints.admin) as conn:
         rows = await (
@@ -92,21 +123,6 @@ async def tiers_by_stage(db: Database) -> dict[str, set[str | None]]:
     return found
 
 
-CLAIM_TYPES = {
-    "worker": "text",
-    "lane": "lane",
-    "limit": "integer",
-    "lease": "interval",
-    "tenant_limit": "integer",
-    "tenant": "text",
-    "max_runtime": "interval",
-    "open_tiers": "text[]",
-    "now": "timestamptz",
-    "finished_ids": "bigint[]",
-    "finished_tokens": "bigint[]",
-}
-
-
 async def test_claim_reads_none_of_a_blocked_tiers_backlog(quiet_db: Database) -> None:
     rstore = PgRunnerStore(quiet_db)
     await rstore.sync_pipelines([support()])
@@ -115,25 +131,13 @@ async def test_claim_reads_none_of_a_blocked_tiers_backlog(quiet_db: Database) -
     await enqueue(bus, "classify", 20)
     await enqueue(bus, "plain", 20)
     await admin_sql(quiet_db, "ANALYZE appliance.agent_messages")
-    values: dict[str, Any] = {
-        "worker": "w",
-        "lane": "interactive",
-        "limit": 10,
-        "lease": "60 seconds",
-        "tenant_limit": 10**6,
-        "tenant": None,
-        "max_runtime": "10 minutes",
-        "now": None,
-        "finished_ids": "{}",
-        "finished_tokens": "{}",
-    }
     async with quiet_db.system_pool.connection() as aconn:
         cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
         call = await prepare(aconn, "message_claim_lane", CLAIM_TYPES)
         # The reasoning tier blocked (its pool is full): the mechanical and plain work behind
         # the drafts; then a runner without a pool (every tier blocked): plain work only.
-        mechanical_open = await explain(cur, call, {**values, "open_tiers": '{"",mechanical}'})
-        none_open = await explain(cur, call, {**values, "open_tiers": '{""}'})
+        mechanical_open = await explain(cur, call, claim_values(open_tiers='{"",mechanical}'))
+        none_open = await explain(cur, call, claim_values())
     for plan in (mechanical_open, none_open):
         assert rows_written(plan) == 10
         # The rows taken, the probes, and at most limit + 1 per scan for the backlog: never
@@ -198,16 +202,7 @@ async def test_messages_carry_their_stages_tier_through_redeclaration(quiet_db: 
         "draft": {"reasoning"},
         "classify": {"mechanical"},
     }
-    async with await psycopg.AsyncConnection.connect(
-        quiet_db.endpoints.admin, autocommit=True
-    ) as conn:
-        rows = await (
-            await conn.execute(
-                "SELECT tier FROM appliance.agent_messages WHERE id = ANY(%s) ORDER BY id",
-                ([running.id, dead.id],),
-            )
-        ).fetchall()
-    assert rows == [("mechanical",), ("mechanical",)]
+    assert [await tier_of(quiet_db, m.id) for m in (running, dead)] == ["mechanical"] * 2
     # A stage no longer declared: its work has no model tier any more.
     await rstore.sync_pipelines(
         [Pipeline("support", (Stage("draft", noop, task_kind="draft", uses_model=True),))]
@@ -226,15 +221,7 @@ async def test_messages_carry_their_stages_tier_through_redeclaration(quiet_db: 
     await rstore.sync_pipelines(
         [Pipeline("support", (Stage("draft", noop, task_kind="draft", uses_model=True),))]
     )
-    async with await psycopg.AsyncConnection.connect(
-        quiet_db.endpoints.admin, autocommit=True
-    ) as conn:
-        row = await (
-            await conn.execute(
-                "SELECT tier FROM appliance.agent_messages WHERE id = %s", (running.id,)
-            )
-        ).fetchone()
-    assert row == ("mechanical",)
+    assert await tier_of(quiet_db, running.id) == "mechanical"
 
 
 async def test_stage_hand_off_stamps_the_next_stages_tier(quiet_db: Database) -> None:
@@ -269,18 +256,12 @@ async def test_a_sync_changing_a_tier_waits_for_enqueues_in_flight(quiet_db: Dat
         )
         sync = asyncio.create_task(rstore.sync_pipelines([support(plain_kind="draft")]))
         # The sync waits on the enqueue's transaction (seen in pg_locks, not by timing).
-        async with await psycopg.AsyncConnection.connect(
-            quiet_db.endpoints.admin, autocommit=True
-        ) as watcher:
-            for _ in range(500):
-                waiting = await (
-                    await watcher.execute(
-                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-                    )
-                ).fetchone()
-                if waiting == (1,) or sync.done():
-                    break
-                await asyncio.sleep(0.01)
+        waiting = await watch(
+            quiet_db,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+            (1,),
+            sync,
+        )
         assert not sync.done() and waiting == (1,)
         await enqueuer.commit()
     await asyncio.wait_for(sync, 10)
@@ -299,33 +280,15 @@ async def test_a_sync_re_stamps_rows_an_acknowledgement_held(quiet_db: Database)
             "SELECT FROM appliance.agent_messages WHERE id = %s FOR UPDATE", (held.id,)
         )
         sync = asyncio.create_task(rstore.sync_pipelines([support(plain_kind="draft")]))
-        async with await psycopg.AsyncConnection.connect(
-            quiet_db.endpoints.admin, autocommit=True
-        ) as watcher:
-            for _ in range(500):
-                declared = await (
-                    await watcher.execute(
-                        "SELECT tier FROM appliance.pipeline_stages WHERE stage = 'plain'"
-                    )
-                ).fetchone()
-                if declared == ("reasoning",) or sync.done():
-                    break
-                await asyncio.sleep(0.01)
-            # The change committed, the held row not re-stamped yet: the sync is still at it.
-            row = await (
-                await watcher.execute(
-                    "SELECT tier FROM appliance.agent_messages WHERE id = %s", (held.id,)
-                )
-            ).fetchone()
-        assert declared == ("reasoning",) and row == (None,) and not sync.done()
+        declared = await watch(
+            quiet_db,
+            "SELECT tier FROM appliance.pipeline_stages WHERE stage = 'plain'",
+            ("reasoning",),
+            sync,
+        )
+        # The change committed, the held row not re-stamped yet: the sync is still at it.
+        tier = await tier_of(quiet_db, held.id)
+        assert declared == ("reasoning",) and tier is None and not sync.done()
         await acker.commit()
     await asyncio.wait_for(sync, 10)
-    async with await psycopg.AsyncConnection.connect(
-        quiet_db.endpoints.admin, autocommit=True
-    ) as conn:
-        row = await (
-            await conn.execute(
-                "SELECT tier FROM appliance.agent_messages WHERE id = %s", (held.id,)
-            )
-        ).fetchone()
-    assert row == ("reasoning",)
+    assert await tier_of(quiet_db, held.id) == "reasoning"

@@ -25,7 +25,14 @@ from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
 from appliance.domain.ports import AckOutcome, Completion
 from appliance.domain.schedule import Schedule
 from appliance.scheduler import Maintenance, fire, latest_fire_time
-from tests.db.plans import check_bounded_plan, explain, hot_reads, positional, prepare
+from tests.db.plans import (
+    CLAIM_TYPES,
+    check_bounded_plan,
+    explain,
+    hot_reads,
+    positional,
+    prepare,
+)
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -664,8 +671,8 @@ async def _claim_plans(
         setting = await (await aconn.execute("SHOW plan_cache_mode")).fetchone()
         assert setting is not None and setting["plan_cache_mode"] == "force_generic_plan"
         numbered, names = positional(q("message_claim_lane"))
-        args = ", ".join(f"%({n})s::{_CLAIM_PARAM_TYPES[n]}" for n in names)
-        types = ", ".join(_CLAIM_PARAM_TYPES[n] for n in names)
+        args = ", ".join(f"%({n})s::{CLAIM_TYPES[n]}" for n in names)
+        types = ", ".join(CLAIM_TYPES[n] for n in names)
         # Values inlined client-side: EXECUTE's arguments cannot take protocol parameters
         # whose type the server must infer.
         cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
@@ -685,21 +692,6 @@ async def _claim_plans(
                 assert row is not None
                 plans.append(row["QUERY PLAN"][0])
     return plans
-
-
-_CLAIM_PARAM_TYPES = {
-    "worker": "text",
-    "lane": "lane",
-    "limit": "integer",
-    "lease": "interval",
-    "tenant_limit": "integer",
-    "tenant": "text",
-    "max_runtime": "interval",
-    "open_tiers": "text[]",
-    "now": "timestamptz",
-    "finished_ids": "bigint[]",
-    "finished_tokens": "bigint[]",
-}
 
 
 def test_schedule_slots_are_stable() -> None:
