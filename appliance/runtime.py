@@ -297,6 +297,8 @@ def runner_config(settings: Settings) -> RunnerConfig:
         reclaim_every=timedelta(seconds=FALLBACK_RECLAIM_FACTOR * r.reclaim_interval_seconds),
         capability_wait=timedelta(seconds=r.capability_wait_seconds),
         max_hops=r.max_hops,
+        idempotency_retention=settings.bus.idempotency_retention,
+        max_attempts=settings.bus.max_attempts,
     )
 
 

@@ -184,29 +184,37 @@ BEGIN
     IF seen.done > 0 THEN
         -- Stage hand-off: done -> the next stage for the outcome, keyed (source, source id,
         -- stage), so a retried completion or a second runner can never enqueue it twice.
-        -- The requests in enqueue_requests' row layout.
-        SELECT jsonb_agg(jsonb_build_array(
-                   n.tenant, n.pipeline, r.next_stage, n.source, n.source_id,
-                   idempotency_key(n.source, n.source_id, r.next_stage), s.directive,
-                   n.pipeline || '.' || n.stage, n.pipeline || '.' || r.next_stage, s.lane,
-                   n.priority, s.max_attempts, NULL, n.deadline, n.hops + 1,
-                   coalesce(n.result, 'null'::jsonb))) AS requests,
-               max(n.updated_at) AS at
-        INTO nxt
-        FROM new_rows n
-        JOIN old_rows o ON o.id = n.id
-        JOIN stage_routes r
-          ON r.pipeline = n.pipeline AND r.stage = n.stage
-         AND r.outcome = coalesce(n.outcome, 'ok')
-        JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.next_stage
-        WHERE n.status = 'done' AND o.status = 'running';
-        IF nxt.requests IS NOT NULL THEN
-            PERFORM enqueue_requests(
-                nxt.at,
-                coalesce(nullif(current_setting('appliance.idempotency_retention', true), ''),
-                         '90 days')::interval,
-                nxt.requests);
-        END IF;
+        -- The requests in enqueue_requests' row layout. The next stage's key is kept as long
+        -- as the finished message's key was (its parent's retention, and so the one the run's
+        -- first enqueue was given): one enqueue per retention among the hand-offs, usually one.
+        FOR nxt IN
+            SELECT h.retention, jsonb_agg(h.request) AS requests, max(h.at) AS at
+            FROM (
+                SELECT jsonb_build_array(
+                           n.tenant, n.pipeline, r.next_stage, n.source, n.source_id,
+                           idempotency_key(n.source, n.source_id, r.next_stage), s.directive,
+                           n.pipeline || '.' || n.stage, n.pipeline || '.' || r.next_stage,
+                           s.lane, n.priority, s.max_attempts, NULL, n.deadline, n.hops + 1,
+                           coalesce(n.result, 'null'::jsonb)) AS request,
+                       n.updated_at AS at,
+                       -- One primary-key probe per hand-off. A parent whose key is gone
+                       -- (purged: it was in flight longer than its retention) hands off with
+                       -- the default retention.
+                       coalesce((SELECT k.expires_at - k.created_at FROM idempotency_keys k
+                                 WHERE k.key = n.idempotency_key AND k.tenant = n.tenant),
+                                interval '90 days') AS retention
+                FROM new_rows n
+                JOIN old_rows o ON o.id = n.id
+                JOIN stage_routes r
+                  ON r.pipeline = n.pipeline AND r.stage = n.stage
+                 AND r.outcome = coalesce(n.outcome, 'ok')
+                JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.next_stage
+                WHERE n.status = 'done' AND o.status = 'running'
+            ) AS h
+            GROUP BY h.retention
+        LOOP
+            PERFORM enqueue_requests(nxt.at, nxt.retention, nxt.requests);
+        END LOOP;
     END IF;
 
     IF seen.pending > 0

@@ -125,6 +125,10 @@ class RunnerConfig:
     # How many hand-offs a message may be from its run's start (a pipeline's budget may say
     # fewer): bounds a message that keeps re-enqueueing itself.
     max_hops: int = 1000
+    # Spawned work is enqueued as the bus enqueues: keys kept this long (bus settings), and
+    # this many attempts for a stage that declares none.
+    idempotency_retention: timedelta = timedelta(days=90)
+    max_attempts: int = 5
     # How long a message may wait in held_budget before it expires.
     budget_hold_max: timedelta = timedelta(days=32)
     # How soon work that found the cap held by calls in flight tries again.
@@ -895,7 +899,10 @@ class Runner:
             for spawn in attempt.context.spawned
         ]
         await self.store.enqueue(
-            requests, retention=timedelta(days=90), default_max_attempts=5, now=None
+            requests,
+            retention=self.config.idempotency_retention,
+            default_max_attempts=self.config.max_attempts,
+            now=None,
         )
 
     async def _hold_budget(self, attempt: _Attempt, reason: str) -> None:

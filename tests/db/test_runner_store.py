@@ -160,6 +160,34 @@ async def test_completion_hands_off_to_the_next_stage_exactly_once(rstore: PgRun
     assert c.lease_expires_at == T0 + timedelta(seconds=5)
 
 
+async def test_hand_off_keys_keep_the_retention_their_run_was_given(
+    rstore: PgRunnerStore, db: Database
+) -> None:
+    """Each stage's key lives as long as the run's first key, whatever the retention (shorter
+    or longer than the 90-day default), also when one acknowledgement finishes runs that were
+    given different retentions."""
+    short = Bus(rstore, BusConfig(idempotency_retention=timedelta(days=3)))
+    long = Bus(rstore, BusConfig(idempotency_retention=timedelta(days=200)))
+    await short.enqueue_many([req(short, "short")], now=T0)
+    await long.enqueue_many([req(long, "long")], now=T0)
+    done_at = T0 + timedelta(hours=1)
+    taken = await claim(rstore, limit=2)
+    assert (
+        await rstore.complete([Completion(m.lease) for m in taken], actor="w", now=done_at)
+        == [AckOutcome.APPLIED] * 2
+    )
+    (b_short, b_long) = sorted(await claim(rstore, Lane.BATCH, now=done_at), key=lambda m: m.id)
+    later = done_at + timedelta(hours=1)
+    await rstore.complete(
+        [Completion(b_short.lease), Completion(b_long.lease)], actor="w", now=later
+    )
+    keys = await _keys(db)
+    for sid, days in (("short", 3), ("long", 200)):
+        assert keys[idempotency_key("t", sid, "a")] == T0 + timedelta(days=days)
+        assert keys[idempotency_key("t", sid, "b")] == done_at + timedelta(days=days)
+        assert keys[idempotency_key("t", sid, "c")] == later + timedelta(days=days)
+
+
 async def test_concurrent_duplicate_completions_hand_off_once(
     fresh_db: Endpoints, rstore: PgRunnerStore
 ) -> None:
