@@ -366,6 +366,8 @@ async def _serve(
             archive_every=timedelta(seconds=settings.runner.archive_interval_seconds),
             archive_retention=timedelta(days=settings.runner.archive_retention_days),
             spend=spend,
+            # A run's budget outlives its keys and its longest hold for budget (see 0019).
+            run_budget_idle=max(settings.bus.idempotency_retention, config.budget_hold_max),
         )
         runner = Runner(
             store,

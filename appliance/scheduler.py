@@ -87,6 +87,7 @@ class Maintenance:
         archive_batch: int = 1000,
         purge_keys_every: timedelta = timedelta(seconds=60),
         spend: PgSpendStore | None = None,
+        run_budget_idle: timedelta = timedelta(days=90),
         month_check_every: timedelta = timedelta(seconds=30),
         stats_every: timedelta = timedelta(seconds=2),
     ) -> None:
@@ -98,6 +99,7 @@ class Maintenance:
         self.schedules = list(schedules)
         self.archive_retention = archive_retention
         self.archive_batch = archive_batch
+        self.run_budget_idle = run_budget_idle
         self.scheduler = AsyncIOScheduler(timezone=UTC)
         every = {"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
         # Jobs in flight, so that stop() can let them finish.
@@ -116,6 +118,9 @@ class Maintenance:
             jobs.append(
                 (self.month_rollover, IntervalTrigger(seconds=month_check_every.total_seconds()))
             )
+            jobs.append(
+                (self.purge_run_budgets, IntervalTrigger(seconds=purge_keys_every.total_seconds()))
+            )
         for job, trigger in jobs:
             self.scheduler.add_job(self._tracked(job), trigger, name=job.__name__, **every)
         for schedule in self.schedules:
@@ -130,6 +135,7 @@ class Maintenance:
         self.expired = 0
         self.archived = 0
         self.keys_purged = 0
+        self.budgets_purged = 0
         self.analyzed = 0
 
     def _tracked(self, job: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
@@ -234,6 +240,18 @@ class Maintenance:
                 self.keys_purged += purged
         except Exception:
             log.exception("purging expired idempotency keys failed")
+
+    async def purge_run_budgets(self) -> None:
+        """Delete the budgets of runs idle past the horizon, in bounded batches likewise."""
+        assert self.spend is not None
+        spend = self.spend
+        try:
+            async for purged in self._batches(
+                lambda: spend.purge_run_budgets(idle=self.run_budget_idle, batch=self.archive_batch)
+            ):
+                self.budgets_purged += purged
+        except Exception:
+            log.exception("purging idle run budgets failed")
 
     async def planner_stats(self) -> None:
         """Keep the envelope's statistics in step with bursts (autovacuum may take minutes):

@@ -428,8 +428,6 @@ CREATE FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone,
 DECLARE
     at timestamptz := coalesce(p_now, now());
     window_pages constant bigint := 1024;
-    blocks bigint := pg_relation_size('appliance.idempotency_keys')
-                     / current_setting('block_size')::bigint;
     first_block bigint;
     last_block bigint;
     purged integer;
@@ -438,10 +436,7 @@ BEGIN
     IF NOT pg_try_advisory_xact_lock(hashtext('appliance.purge_keys')) THEN
         RETURN 0;
     END IF;
-    SELECT c.block INTO first_block FROM upkeep_cursors c WHERE c.name = 'idempotency_keys';
-    IF first_block >= blocks THEN
-        first_block := 0;  -- past the end (or the table shrank): a new sweep
-    END IF;
+    first_block := upkeep_window_start('idempotency_keys', 'appliance.idempotency_keys');
     -- A key an enqueue is taking over right now is locked: skipped here, and its new expiry
     -- keeps it. The expiry is checked again on the row deleted. The window is read by a TID
     -- range scan and the rows deleted by their tuple ids, whatever the statistics.
@@ -459,17 +454,59 @@ BEGIN
         RETURNING k.ctid
     )
     SELECT count(*), max((g.ctid::text::point)[0])::bigint INTO purged, last_block FROM gone g;
-    -- A full batch may have left expired keys further on in the window: the next call resumes
-    -- at the last block it deleted from. Otherwise the window is done.
-    UPDATE upkeep_cursors
-    SET block = CASE WHEN purged >= p_batch THEN last_block
-                     ELSE first_block + window_pages END
-    WHERE name = 'idempotency_keys';
+    PERFORM upkeep_window_done('idempotency_keys', first_block, window_pages, purged, p_batch,
+                               last_block);
     RETURN purged;
 END
 $$;
 
 ALTER FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone, p_batch integer) OWNER TO appliance_owner;
+
+--
+-- Name: purge_run_budgets(timestamp with time zone, interval, integer); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+DECLARE
+    before timestamptz := coalesce(p_now, now()) - p_idle;
+    window_pages constant bigint := 1024;
+    first_block bigint;
+    last_block bigint;
+    purged integer;
+BEGIN
+    IF p_idle IS NULL OR p_idle <= interval '0' THEN
+        RAISE EXCEPTION 'run budget idle horizon must be positive, got %', p_idle
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- One purger at a time across runners; the others skip this round.
+    IF NOT pg_try_advisory_xact_lock(hashtext('appliance.purge_run_budgets')) THEN
+        RETURN 0;
+    END IF;
+    first_block := upkeep_window_start('run_budgets', 'appliance.run_budgets');
+    WITH gone AS (
+        DELETE FROM run_budgets b
+        WHERE b.ctid = ANY (ARRAY(
+                  SELECT d.ctid FROM run_budgets d
+                  WHERE d.ctid >= format('(%s,0)', first_block)::tid
+                    AND d.ctid < format('(%s,0)', first_block + window_pages)::tid
+                    AND d.used_at < before
+                  ORDER BY d.ctid
+                  LIMIT p_batch
+                  FOR UPDATE SKIP LOCKED))
+          AND b.used_at < before
+        RETURNING b.ctid
+    )
+    SELECT count(*), max((g.ctid::text::point)[0])::bigint INTO purged, last_block FROM gone g;
+    PERFORM upkeep_window_done('run_budgets', first_block, window_pages, purged, p_batch,
+                               last_block);
+    RETURN purged;
+END
+$$;
+
+ALTER FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer) OWNER TO appliance_owner;
 
 --
 -- Name: refresh_planner_stats(bigint, double precision); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
@@ -541,16 +578,25 @@ DECLARE
     lim numeric;
     usable numeric;
 BEGIN
-    INSERT INTO run_budgets (tenant, source, source_id, pipeline, limits, verification_reserve,
-                             started_at)
-    VALUES (p_tenant, p_source, p_source_id, p_pipeline, p_limits, p_reserve, at)
-    ON CONFLICT DO NOTHING;
-    SELECT * INTO b FROM run_budgets
-    WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id
-    FOR UPDATE;
+    FOR attempt IN 1..3 LOOP
+        INSERT INTO run_budgets (tenant, source, source_id, pipeline, limits,
+                                 verification_reserve, started_at, used_at)
+        VALUES (p_tenant, p_source, p_source_id, p_pipeline, p_limits, p_reserve, at, at)
+        ON CONFLICT DO NOTHING;
+        SELECT * INTO b FROM run_budgets
+        WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id
+        FOR UPDATE;
+        EXIT WHEN FOUND;
+    END LOOP;
+    IF b.tenant IS NULL THEN
+        RAISE EXCEPTION 'run budget of %/%/% vanished three times while being reserved',
+            p_tenant, p_source, p_source_id
+            USING ERRCODE = 'serialization_failure';
+    END IF;
     IF b.limits ? 'wall_seconds'
        AND extract(epoch FROM at - b.started_at) > (b.limits ->> 'wall_seconds')::numeric THEN
-        UPDATE run_budgets SET exhausted = coalesce(exhausted, 'wall_time')
+        UPDATE run_budgets SET exhausted = coalesce(exhausted, 'wall_time'),
+                               used_at = greatest(used_at, at)
         WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id;
         RETURN 'wall_time';
     END IF;
@@ -559,7 +605,8 @@ BEGIN
         lim := (b.limits ->> d)::numeric;
         usable := CASE WHEN p_verification THEN lim ELSE lim * (1 - b.verification_reserve) END;
         IF coalesce((b.used ->> d)::numeric, 0) + (p_ask ->> d)::numeric > usable THEN
-            UPDATE run_budgets SET exhausted = coalesce(exhausted, d)
+            UPDATE run_budgets SET exhausted = coalesce(exhausted, d),
+                                   used_at = greatest(used_at, at)
             WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id;
             RETURN d;
         END IF;
@@ -568,7 +615,8 @@ BEGIN
     SET used = (SELECT jsonb_object_agg(k, coalesce((r.used ->> k)::numeric, 0)
                                             + coalesce((p_ask ->> k)::numeric, 0))
                 FROM (SELECT jsonb_object_keys(r.used) AS k
-                      UNION SELECT jsonb_object_keys(p_ask)) AS keys)
+                      UNION SELECT jsonb_object_keys(p_ask)) AS keys),
+        used_at = greatest(r.used_at, at)
     WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id;
     RETURN NULL;
 END
@@ -841,6 +889,36 @@ END
 $$;
 
 ALTER FUNCTION appliance.tenants_runtime_row() OWNER TO appliance_owner;
+
+--
+-- Name: upkeep_window_done(text, bigint, bigint, integer, integer, bigint); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.upkeep_window_done(p_name text, p_first bigint, p_pages bigint, p_done integer, p_batch integer, p_last bigint) RETURNS void
+    LANGUAGE sql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+    UPDATE upkeep_cursors
+    SET block = CASE WHEN p_done >= p_batch THEN p_last ELSE p_first + p_pages END
+    WHERE name = p_name
+$$;
+
+ALTER FUNCTION appliance.upkeep_window_done(p_name text, p_first bigint, p_pages bigint, p_done integer, p_batch integer, p_last bigint) OWNER TO appliance_owner;
+
+--
+-- Name: upkeep_window_start(text, regclass); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.upkeep_window_start(p_name text, p_table regclass) RETURNS bigint
+    LANGUAGE sql
+    SET search_path TO 'appliance', 'pg_catalog'
+    AS $$
+    SELECT CASE WHEN c.block >= pg_relation_size(p_table) / current_setting('block_size')::bigint
+                THEN 0 ELSE c.block END
+    FROM upkeep_cursors c WHERE c.name = p_name
+$$;
+
+ALTER FUNCTION appliance.upkeep_window_start(p_name text, p_table regclass) OWNER TO appliance_owner;
 
 SET default_table_access_method = heap;
 
@@ -1138,6 +1216,7 @@ CREATE TABLE appliance.run_budgets (
     used jsonb DEFAULT '{}'::jsonb NOT NULL,
     started_at timestamp with time zone NOT NULL,
     exhausted text,
+    used_at timestamp with time zone NOT NULL,
     CONSTRAINT run_budgets_verification_reserve_check CHECK (((verification_reserve >= (0)::numeric) AND (verification_reserve <= (1)::numeric)))
 );
 
@@ -1895,6 +1974,13 @@ REVOKE ALL ON FUNCTION appliance.purge_idempotency_keys(p_now timestamp with tim
 GRANT ALL ON FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone, p_batch integer) TO appliance_system;
 
 --
+-- Name: FUNCTION purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer) TO appliance_system;
+
+--
 -- Name: FUNCTION refresh_planner_stats(p_min_pages bigint, p_growth double precision); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1942,6 +2028,18 @@ GRANT ALL ON FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.la
 --
 
 GRANT ALL ON FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION upkeep_window_done(p_name text, p_first bigint, p_pages bigint, p_done integer, p_batch integer, p_last bigint); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.upkeep_window_done(p_name text, p_first bigint, p_pages bigint, p_done integer, p_batch integer, p_last bigint) FROM PUBLIC;
+
+--
+-- Name: FUNCTION upkeep_window_start(p_name text, p_table regclass); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.upkeep_window_start(p_name text, p_table regclass) FROM PUBLIC;
 
 --
 -- Name: TABLE agent_messages; Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -4,7 +4,7 @@ and the messages parked for budget (the SpendStore port)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -235,6 +235,16 @@ class PgSpendStore:
         }
         async with self.db.system_conn() as conn:
             await conn.execute(q("run_budget_adjust"), params)
+
+    async def purge_run_budgets(
+        self, *, idle: timedelta, batch: int = 1000, now: datetime | None = None
+    ) -> int:
+        """Delete one bounded batch of the budgets of runs that reserved nothing for longer
+        than `idle`; how many. Keeps the table from growing with every run ever started."""
+        params = {"idle": idle, "batch": batch, "now": now}
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("run_budgets_purge"), params)).fetchone()
+        return int(row["purged"]) if row else 0
 
     async def run_budget(self, tenant: str, source: str, source_id: str) -> dict[str, Any] | None:
         params = {"tenant": tenant, "source": source, "source_id": source_id}

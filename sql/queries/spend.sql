@@ -126,10 +126,15 @@ SELECT run_budget_reserve(%(tenant)s, %(source)s, %(source_id)s, %(pipeline)s, %
 -- Give back what a reservation did not use.
 SELECT run_budget_adjust(%(tenant)s, %(source)s, %(source_id)s, %(delta)s);
 
+-- name: run_budgets_purge :one
+-- Delete one bounded batch of budgets of runs idle longer than `idle` (0 while another runner
+-- purges).
+SELECT purge_run_budgets(%(now)s::timestamptz, %(idle)s::interval, %(batch)s) AS purged;
+
 -- name: run_budget_get :one
 -- One run's budget: limits, use and the dimension that ran out, if any.
 SELECT tenant, source, source_id, pipeline, limits, verification_reserve, used, started_at,
-       exhausted
+       used_at, exhausted
 FROM run_budgets
 WHERE tenant = %(tenant)s AND source = %(source)s AND source_id = %(source_id)s;
 

@@ -163,8 +163,8 @@ async def test_run_budgets_are_reanalyzed_when_they_outgrow_their_statistics(
     await admin_sql(
         quiet_db,
         "INSERT INTO appliance.run_budgets (tenant, source, source_id, pipeline, limits,"
-        " verification_reserve, started_at) SELECT 'acme', 'test', g::text, 'p', '{}', 0.1,"
-        " now() FROM generate_series(1, 6000) AS g",
+        " verification_reserve, started_at, used_at) SELECT 'acme', 'test', g::text, 'p', '{}',"
+        " 0.1, now(), now() FROM generate_series(1, 6000) AS g",
     )
     rstore = PgRunnerStore(quiet_db)
     assert "run_budgets" in await rstore.refresh_planner_stats()

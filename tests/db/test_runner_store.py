@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -19,6 +20,7 @@ from appliance.db.database import Database, Endpoints
 from appliance.db.message_store import complete_params
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
+from appliance.db.spend_store import PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.envelope import Lane, LeaseRef, MessageStatus, idempotency_key
 from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
@@ -491,16 +493,25 @@ async def test_expired_idempotency_keys_are_purged_in_batches(
 
 
 async def test_maintenance_rounds_drain_in_bounded_batches(rstore: PgRunnerStore) -> None:
-    """One maintenance round archives, and purges expired keys, batch after batch until a
-    short batch, and counts every row (batches of 2 here: 2 + 2 + 1)."""
+    """One maintenance round archives, and purges expired keys and idle run budgets, batch
+    after batch until a short batch, and counts every row (batches of 2 here: 2 + 2 + 1)."""
     bus = Bus(rstore, BusConfig(idempotency_retention=timedelta(days=1)))
     await bus.enqueue_many([req(bus, f"r{i}", stage="c") for i in range(5)], now=T0)
     done = await claim(rstore)
     await rstore.complete([Completion(m.lease) for m in done], actor="w", now=T0)
-    maintenance = Maintenance(bus, rstore, archive_batch=2)
+    spend = PgSpendStore(rstore.db)
+    for i in range(5):
+        await spend.run_reserve(
+            tenant="acme", source="t", source_id=f"r{i}", pipeline="chain", limits={},
+            reserve=Decimal(0), verification=False, ask={"steps": 1}, now=T0,
+        )  # fmt: skip
+    maintenance = Maintenance(
+        bus, rstore, archive_batch=2, spend=spend, run_budget_idle=timedelta(days=1)
+    )
     await maintenance.archive()  # the real clock: T0 is past the 7-day retention
     await maintenance.purge_keys()  # and past the keys' one-day retention
-    assert (maintenance.archived, maintenance.keys_purged) == (5, 5)
+    await maintenance.purge_run_budgets()  # and the runs have been idle for longer than a day
+    assert (maintenance.archived, maintenance.keys_purged, maintenance.budgets_purged) == (5, 5, 5)
 
 
 async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoints) -> None:

@@ -8,6 +8,7 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
+import psycopg
 import pytest
 
 from appliance.db.database import Database
@@ -237,6 +238,71 @@ async def test_wall_time_and_giving_back_unused_reservations(spend: PgSpendStore
     await spend.run_adjust(tenant="acme", source="t", source_id="r1", delta={"tokens": -600})
     assert await run_reserve(spend, {"tokens": 700}, now=start) is None  # 100 + 700 <= 800
     assert await run_reserve(spend, {"steps": 1}, now=start + timedelta(minutes=6)) == "wall_time"
+
+
+async def test_budgets_of_runs_idle_past_the_horizon_are_purged_in_batches(
+    spend: PgSpendStore, db: Database
+) -> None:
+    """A run's last reservation, refused ones included, keeps its budget; a budget idle past
+    the horizon is deleted a bounded batch at a time, one being reserved right now is skipped,
+    and a run that comes back after its budget went starts a fresh one."""
+    t0, day = datetime(2031, 1, 1, tzinfo=UTC), timedelta(days=1)
+    for i in range(3):
+        assert await run_reserve(spend, {"steps": 1}, source_id=f"old-{i}", now=t0) is None
+    assert await run_reserve(spend, {"steps": 1}, source_id="refused", now=t0) is None
+    later = t0 + 5 * day  # past the run's five minutes of wall time: refused, yet alive
+    assert await run_reserve(spend, {"steps": 1}, source_id="refused", now=later) == "wall_time"
+    assert await run_reserve(spend, {"steps": 1}, source_id="live", now=t0 + 9 * day) is None
+    at = t0 + 10 * day
+    idle = 6 * day
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="idle horizon"):
+        await spend.purge_run_budgets(idle=timedelta(0), now=at)
+    async with await psycopg.AsyncConnection.connect(db.endpoints.admin) as other:
+        await other.execute(
+            "SELECT 1 FROM appliance.run_budgets WHERE source_id = 'old-0' FOR UPDATE"
+        )
+        assert await spend.purge_run_budgets(idle=idle, batch=1, now=at) == 1
+        assert await spend.purge_run_budgets(idle=idle, batch=1, now=at) == 1
+        assert await spend.purge_run_budgets(idle=idle, batch=1, now=at) == 0  # old-0 held
+    assert await spend.purge_run_budgets(idle=idle, now=at) == 1  # old-0, released
+    assert await spend.purge_run_budgets(idle=idle, now=at) == 0
+    async with db.system_conn() as conn:
+        left = await (
+            await conn.execute("SELECT source_id, used_at FROM run_budgets ORDER BY source_id")
+        ).fetchall()
+    assert [(r["source_id"], r["used_at"]) for r in left] == [
+        ("live", t0 + 9 * day),
+        ("refused", later),
+    ]
+    # old-1 comes back: a fresh budget, its steps counted from zero and its clock from now.
+    assert await run_reserve(spend, {"steps": 2}, source_id="old-1", now=at) is None
+    budget = await spend.run_budget("acme", "t", "old-1")
+    assert budget is not None
+    assert (budget["used"], budget["started_at"]) == ({"steps": 2}, at)
+
+
+async def test_a_reservation_racing_the_purge_of_its_budget_is_still_counted(
+    spend: PgSpendStore, db: Database
+) -> None:
+    """The purge deletes the budget between the reservation's insert (a no-op: the row is
+    there) and its lock: the reservation takes a fresh budget instead of going uncounted."""
+    t0 = datetime(2031, 1, 1, tzinfo=UTC)
+    assert await run_reserve(spend, {"steps": 1}, source_id="r", now=t0) is None
+    later = t0 + timedelta(days=10)
+    async with await psycopg.AsyncConnection.connect(db.endpoints.admin) as purger:
+        # The purger's transaction holds the row while the reservation's insert finds it there
+        # (and does nothing) and its lock waits; then the purge deletes it and commits.
+        await purger.execute("SELECT 1 FROM appliance.run_budgets WHERE source_id = 'r' FOR UPDATE")
+        reserving = asyncio.create_task(run_reserve(spend, {"steps": 3}, source_id="r", now=later))
+        await asyncio.sleep(0.3)
+        assert not reserving.done()  # waiting for the row
+        await purger.execute(
+            "SELECT appliance.purge_run_budgets(%s, interval '1 day', 100)", (later,)
+        )
+        await purger.execute("COMMIT")
+        assert await reserving is None
+    budget = await spend.run_budget("acme", "t", "r")
+    assert budget is not None and budget["used"] == {"steps": 3}
 
 
 async def test_a_wait_expires_by_its_own_expiry_and_resumes_clear_it(
