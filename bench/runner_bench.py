@@ -1053,6 +1053,7 @@ async def explain_claim(side: BusSide, pending: int, limit: int = 7) -> Explaine
         "lease": timedelta(seconds=30),
         "tenant_limit": RunnerConfig().tenant_cap,
         "tenant": None,
+        "backlog_limit": limit + 1,  # as the runner claims: the whole lane, backlog counted
         "max_runtime": timedelta(minutes=10),  # the store's default for undeclared stages
         "open_tiers": [""],
         "now": None,

@@ -279,6 +279,7 @@ class PgMessageStore:
                 tenant_limit=tenant_limit,
                 tenant=tenant,
                 now=now,
+                backlog=False,  # a worker's claim takes what there is; it does not re-ask
             )
             claimed += found.messages
         return claimed
@@ -296,12 +297,16 @@ class PgMessageStore:
         max_runtime: timedelta = DEFAULT_MAX_RUNTIME,
         blocked_tiers: Sequence[Tier] = (),
         finished: Sequence[LeaseRef] = (),
+        backlog: bool = True,
     ) -> LaneClaim:
         """Lease up to `limit` messages of one lane, fairly across tenants; stages whose model
         tier is in `blocked_tiers` (no room in the caller's pool) are left for later.
 
         `finished`: the caller's attempts whose handlers have returned but whose outcome is not
         committed yet; they do not count against their tenants' limits.
+
+        `backlog`: whether to look for work left behind (LaneClaim.left_behind). Only a claim
+        of the whole lane does; one for a single `tenant` reports False.
         """
         if limit <= 0:
             return LaneClaim([], left_behind=False)
@@ -312,6 +317,7 @@ class PgMessageStore:
             "lease": lease,
             "tenant_limit": tenant_limit,
             "tenant": tenant,
+            "backlog_limit": limit + 1 if backlog and tenant is None else 0,
             "max_runtime": max_runtime,
             # Array literals, cast by the statement: the driver's list dumper cost about 50 us
             # of client CPU per claim for these three short arrays (tier names are plain words).

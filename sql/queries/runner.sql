@@ -117,20 +117,20 @@ backlog AS (
     -- The lane's claimable-looking work as this claim found it (at most limit + 1 rows): more
     -- than it took means tenant limits, locks or backpressure left some behind, so the
     -- runner asks again when its own work finishes; otherwise it waits for the doorbell.
+    -- Counted for claims of the whole lane only (backlog_limit = limit + 1): a caller that
+    -- does not ask, or claims for one tenant, passes 0 and nothing is read.
     SELECT least(count(*), %(limit)s + 1) AS pending
     FROM unnest(%(open_tiers)s::text[]) AS o(tier)
     CROSS JOIN LATERAL (
         SELECT FROM agent_messages m
         WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
           AND coalesce(m.tier, '') = o.tier AND m.not_before <= clock(%(now)s)
-          -- What `picked` could take: not work for another tenant, late work (the expirer's)
-          -- or work of a blocked tier (a runner without a pool would otherwise ask again
-          -- after every message, in vain).
-          AND (%(tenant)s::text IS NULL OR m.tenant = %(tenant)s::text)
+          -- What `picked` could take: not late work (the expirer's) or work of a blocked
+          -- tier (a runner without a pool would otherwise ask again after every message).
           AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
         -- The pending index's order: read from the index, never a heap scan through history.
         ORDER BY m.lane, coalesce(m.tier, ''), m.tenant, m.priority DESC, m.not_before, m.id
-        LIMIT %(limit)s + 1
+        LIMIT %(backlog_limit)s
     ) AS p
 ),
 claimed AS (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -165,3 +167,36 @@ async def test_messages_always_belong_to_a_known_tenant(
         admin.execute("DELETE FROM tenants WHERE name = 'idle'")  # no messages: allowed
         names = [r[0] for r in admin.execute("SELECT name FROM tenants ORDER BY name")]
     assert names == ["acme", "globex"]
+
+
+async def test_a_tenant_claim_reads_none_of_another_tenants_backlog(
+    bus: Bus, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim for one tenant seeks that tenant's work in the pending index: another tenant's
+    backlog, however long, is not read (it was, by the count of work left behind)."""
+    for tenant, n in (("acme", 3), ("globex", 3000)):
+        await bus.enqueue_many(
+            [
+                bus.request(tenant=tenant, pipeline="demo", stage="intake", source="t",
+                            source_id=str(i), directive="work")
+                for i in range(n)
+            ],
+            now=T0,
+        )  # fmt: skip
+    pending_index = "appliance.agent_messages_lane_tier_tenant_priority_not_before_id_idx"
+    async with db.system_pool.connection() as conn, conn.transaction():
+        # The claim runs on this connection, inside this transaction, so that the index
+        # entries it read can be counted (per-transaction statistics).
+        @asynccontextmanager
+        async def this_connection() -> AsyncIterator[Any]:
+            yield conn
+
+        monkeypatch.setattr(db, "system_conn", this_connection)
+        got = await bus.claim("w", tenant="acme", limit=10, now=T0)
+        read = await (
+            await conn.execute(
+                "SELECT pg_stat_get_xact_tuples_returned(%s::regclass) AS n", (pending_index,)
+            )
+        ).fetchone()
+    assert sorted(m.source_id for m in got) == ["0", "1", "2"]
+    assert read is not None and read["n"] <= 20, read
