@@ -170,6 +170,7 @@ def status_json(st: BusStatus) -> dict[str, Any]:
             lane.value: {s.value: n for s, n in counts.counts.items()}
             for lane, counts in st.lanes.items()
         },
+        "deferred": {lane.value: counts.deferred for lane, counts in st.lanes.items()},
         "ages": {
             lane.value: {
                 "oldest_pending_s": counts.oldest_pending_age_s,
@@ -198,7 +199,7 @@ def _rate(pool: dict[str, Any]) -> str:
 
 
 def status_text(st: BusStatus) -> str:
-    cols = ["pending", "running", "waiting", "dead", "done", "cancelled", "expired"]
+    cols = ["pending", "deferred", "running", "waiting", "dead", "done", "cancelled", "expired"]
     lines = [
         f"appliance status at {st.at.isoformat(timespec='seconds')}  ({st.tenants} tenants)",
         f"{'lane':<12}" + "".join(f"{c:>10}" for c in cols) + f"{'oldest pending':>16}"
@@ -209,6 +210,7 @@ def status_text(st: BusStatus) -> str:
         waiting = sum(lc.counts[w] for w in WAITING)
         values = [
             lc.counts[MessageStatus.PENDING],
+            lc.deferred,
             lc.counts[MessageStatus.RUNNING],
             waiting,
             lc.counts[MessageStatus.DEAD],

@@ -108,6 +108,7 @@ class Maintenance:
         self._idle.set()
         jobs: list[tuple[Callable[..., Awaitable[None]], Any]] = [
             (self.reclaim, IntervalTrigger(seconds=reclaim_every.total_seconds())),
+            (self.promote, IntervalTrigger(seconds=reclaim_every.total_seconds())),
             (self.expire, IntervalTrigger(seconds=expire_every.total_seconds())),
             (self.archive, IntervalTrigger(seconds=archive_every.total_seconds())),
             (self.purge_keys, IntervalTrigger(seconds=purge_keys_every.total_seconds())),
@@ -132,6 +133,7 @@ class Maintenance:
                 **every,
             )
         self.reclaimed = 0
+        self.promoted = 0
         self.expired = 0
         self.archived = 0
         self.keys_purged = 0
@@ -185,6 +187,18 @@ class Maintenance:
                     log.info("released %d spend holds of dead leases", released)
             except Exception:
                 log.exception("releasing dead spend holds failed")
+
+    async def promote(self) -> None:
+        """Deferred work that has come due goes back into the claim's index (and its lanes are
+        rung): full batches again, up to ten a round, so a retry storm drains in seconds."""
+        try:
+            for _ in range(10):
+                n = await self.bus.promote_due()
+                self.promoted += n
+                if n < self.bus.config.maintenance_batch:
+                    break
+        except Exception:
+            log.exception("promoting due work failed")
 
     async def month_rollover(self) -> None:
         """A new month (by the database clock, in the ledger's time zone) resumes the messages

@@ -79,7 +79,8 @@ BEGIN
     -- transaction into one, so a batch rings once per lane.
     IF current_setting('appliance.notify', true) IS DISTINCT FROM 'off' THEN
         PERFORM pg_notify('appliance_work', l::text)
-        FROM (SELECT DISTINCT n.lane AS l FROM new_rows n WHERE n.status = 'pending') AS s;
+        FROM (SELECT DISTINCT n.lane AS l FROM new_rows n
+              WHERE n.status = 'pending' AND NOT n.deferred) AS s;
     END IF;
     RETURN NULL;
 END
@@ -222,7 +223,7 @@ BEGIN
         PERFORM pg_notify('appliance_work', l::text)
         FROM (SELECT DISTINCT n.lane AS l
               FROM new_rows n JOIN old_rows o ON o.id = n.id
-              WHERE n.status = 'pending' AND o.status <> 'pending') AS s;
+              WHERE n.status = 'pending' AND o.status <> 'pending' AND NOT n.deferred) AS s;
     END IF;
     RETURN NULL;
 END
@@ -386,11 +387,13 @@ inserted AS (
     INSERT INTO agent_messages (
         id, tenant, pipeline, stage, source, source_id, idempotency_key, directive, context,
         from_agent, to_agent, lane, priority, max_attempts, not_before, deadline, hops,
-        created_at, updated_at, tier)
+        created_at, updated_at, tier, deferred)
     SELECT keys.message_id, req.tenant, req.pipeline, req.stage, req.source, req.source_id,
            req.key, req.directive, req.context, req.from_agent, req.to_agent, req.lane,
            req.priority, req.max_attempts, coalesce(req.not_before, req.at), req.deadline,
-           coalesce(req.hops, 0), req.at, req.at, req.tier
+           coalesce(req.hops, 0), req.at, req.at, req.tier,
+           -- Not due yet: out of the claim's index until the promoter puts it back.
+           coalesce(req.not_before, req.at) > req.at
     FROM req JOIN keys ON keys.tenant = req.tenant AND keys.key = req.key
     WHERE keys.new
     RETURNING 1
@@ -962,7 +965,9 @@ CREATE TABLE appliance.agent_messages (
     waiting_for text,
     wait_expires_at timestamp with time zone,
     tier text,
+    deferred boolean DEFAULT false NOT NULL,
     CONSTRAINT agent_messages_attempts_check CHECK ((attempts >= 0)),
+    CONSTRAINT agent_messages_deferred_only_pending CHECK (((NOT deferred) OR (status = 'pending'::appliance.message_status))),
     CONSTRAINT agent_messages_directive_check CHECK ((btrim(directive) <> ''::text)),
     CONSTRAINT agent_messages_hops_check CHECK ((hops >= 0)),
     CONSTRAINT agent_messages_lease_check CHECK (((status = 'running'::appliance.message_status) = (lease_expires_at IS NOT NULL))),
@@ -1625,6 +1630,12 @@ CREATE INDEX agent_messages_archive_default_tenant_source_source_id_idx ON appli
 CREATE INDEX agent_messages_deadline_idx ON appliance.agent_messages USING btree (deadline) WHERE ((deadline IS NOT NULL) AND (status = ANY (ARRAY['pending'::appliance.message_status, 'awaiting_approval'::appliance.message_status, 'held_budget'::appliance.message_status, 'waiting_capability'::appliance.message_status])));
 
 --
+-- Name: agent_messages_deferred_not_before_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX agent_messages_deferred_not_before_idx ON appliance.agent_messages USING btree (not_before) WHERE ((status = 'pending'::appliance.message_status) AND deferred);
+
+--
 -- Name: agent_messages_finished_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1646,7 +1657,7 @@ CREATE INDEX agent_messages_lane_created_at_idx ON appliance.agent_messages USIN
 -- Name: agent_messages_lane_tier_tenant_priority_not_before_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX agent_messages_lane_tier_tenant_priority_not_before_id_idx ON appliance.agent_messages USING btree (lane, COALESCE(tier, ''::text), tenant, priority DESC, not_before, id) WHERE (status = 'pending'::appliance.message_status);
+CREATE INDEX agent_messages_lane_tier_tenant_priority_not_before_id_idx ON appliance.agent_messages USING btree (lane, COALESCE(tier, ''::text), tenant, priority DESC, not_before, id) WHERE ((status = 'pending'::appliance.message_status) AND (NOT deferred));
 
 --
 -- Name: agent_messages_lease_expires_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner

@@ -176,6 +176,10 @@ class Bus:
     async def reclaim(self, *, now: datetime | None = None) -> list[int]:
         return await self.store.reclaim(batch=self.config.maintenance_batch, now=now)
 
+    async def promote_due(self, *, now: datetime | None = None) -> int:
+        """Deferred work that has come due becomes claimable (a bounded batch); how many."""
+        return await self.store.promote_due(batch=self.config.maintenance_batch, now=now)
+
     async def redrive(
         self,
         tenant: str,

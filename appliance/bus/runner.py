@@ -63,6 +63,8 @@ CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
 # deadline if that comes first) had left when it was claimed, and within a heartbeat interval,
 # or it is given back.
 HELD_SHARE_OF_LEASE = 0.25
+# How early a local wake-up's timer may fire and still count as reached (clock granularity).
+LOCAL_WAKE_SLACK_S = 0.005
 
 
 def _call_status(exc: BaseException) -> tuple[str, str]:
@@ -252,6 +254,9 @@ class Runner:
         self._side_claim: asyncio.Task[None] | None = None
         self._stopping = False
         self._next_local_wake: float | None = None
+        # Set when a wake-up may be for deferred work come due (a retry's backoff ended, or the
+        # fallback poll): it is made claimable before the claims (message_promote_due).
+        self._promote_first = False
         self._last_reclaim = 0.0
         self._resume_task: asyncio.Task[None] | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
@@ -286,6 +291,9 @@ class Runner:
                     break
                 if polled:
                     self.stats.polls += 1
+                if self._promote_first:
+                    self._promote_first = False
+                    await self._promote_due()
                 claimed = await self._fill(polled)
                 if claimed and any(self.slots.free(lane) for lane in CLAIM_ORDER):
                     self._wake.set()  # a full claim may have left more behind
@@ -331,10 +339,14 @@ class Runner:
                     await self._wake.wait()
             except TimeoutError:
                 polled = True
+                self._promote_first = True
                 self._hint(*Lane)  # the fallback poll: ask every lane
-        if self._next_local_wake is not None and time.monotonic() >= self._next_local_wake:
+        if self._local_wake_reached():
             self._next_local_wake = None
-            self._hint(*Lane)  # a retry's backoff ended: its lane is unknown here
+            # A retry's backoff ended: its lane is unknown here, and the maintenance's
+            # promoter may not have made it claimable yet.
+            self._promote_first = True
+            self._hint(*Lane)
             polled = False
         self._wake.clear()
         return polled
@@ -483,6 +495,12 @@ class Runner:
                 self.stats.last_missed_wakeup_at = self.clock()
         return len(messages)
 
+    async def _promote_due(self) -> None:
+        try:
+            await self.store.promote_due(batch=500, now=None)
+        except Exception:
+            log.exception("promoting due work on the claim path failed")
+
     async def _reclaim_on_claim_path(self) -> None:
         try:
             reclaimed = await self.store.reclaim(batch=20, now=None)
@@ -543,9 +561,24 @@ class Runner:
             self._hints[lane] += 1
 
     def _schedule_local_wake(self, seconds: float) -> None:
-        at = time.monotonic() + max(0.0, seconds)
+        """Wake the loop in `seconds` (a retry's backoff, a deferral): a timer of its own, since
+        the loop may be waiting out a long poll timeout computed before this was known."""
+        seconds = max(0.0, seconds)
+        at = time.monotonic() + seconds
         if self._next_local_wake is None or at < self._next_local_wake:
             self._next_local_wake = at
+            asyncio.get_running_loop().call_later(seconds, self._local_wake_due)
+
+    def _local_wake_due(self) -> None:
+        if self._local_wake_reached():
+            self._wake.set()
+
+    def _local_wake_reached(self) -> bool:
+        # The timer and the clock read here may disagree by a hair: a wake-up that early counts.
+        return (
+            self._next_local_wake is not None
+            and time.monotonic() >= self._next_local_wake - LOCAL_WAKE_SLACK_S
+        )
 
     def _deadline_of(self, message: Message) -> datetime | None:
         run_deadline = message.extra.get("run_deadline")

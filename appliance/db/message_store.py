@@ -466,6 +466,16 @@ class PgMessageStore:
             )
             return [r["id"] for r in await cur.fetchall()]
 
+    async def promote_due(self, *, batch: int = 500, now: datetime | None = None) -> int:
+        """Make deferred work that has come due claimable again (its not_before reached: a
+        retry's backoff over, work enqueued for later), a bounded batch; rings the lanes it
+        fills. How many."""
+        async with self.db.system_conn() as conn:
+            row = await (
+                await conn.execute(q("message_promote_due"), {"now": now, "batch": batch})
+            ).fetchone()
+        return int(row["promoted"]) if row else 0
+
     async def redrive(
         self,
         tenant: str,
@@ -528,12 +538,14 @@ class PgMessageStore:
             counts = {s: 0 for s in MessageStatus}
             pending_age: float | None = None
             lease_age: float | None = None
+            deferred = 0
             for r in mine:
                 counts[MessageStatus(r["status"])] = r["n"]
+                deferred += r["deferred"]
                 if r["oldest_pending_s"] is not None:
                     pending_age = float(r["oldest_pending_s"])
                 if r["oldest_lease_s"] is not None:
                     lease_age = float(r["oldest_lease_s"])
-            lanes[lane] = LaneCounts(counts, pending_age, lease_age)
+            lanes[lane] = LaneCounts(counts, pending_age, lease_age, deferred)
         at = now or (clock["at"] if clock else datetime.now().astimezone())
         return BusStatus(at=at, lanes=lanes, tenants=tenants["n"] if tenants else 0)

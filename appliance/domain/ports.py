@@ -91,6 +91,8 @@ class LaneCounts:
     counts: dict[MessageStatus, int]
     oldest_pending_age_s: float | None
     oldest_running_lease_age_s: float | None
+    # Of the pending ones, those not due yet (a retry's backoff, work enqueued for later).
+    deferred: int = 0
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,8 @@ class MessageStore(Protocol):
     async def expire(self, limits: ExpireLimits, *, batch: int, now: datetime | None) -> int: ...
 
     async def reclaim(self, *, batch: int, now: datetime | None) -> list[int]: ...
+
+    async def promote_due(self, *, batch: int, now: datetime | None) -> int: ...
 
     async def redrive(
         self, tenant: str, message_ids: Sequence[int] | None, *, actor: str, now: datetime | None

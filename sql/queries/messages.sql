@@ -53,6 +53,8 @@ WITH failed AS (
     SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
                       ELSE 'pending' END::message_status,
         not_before = coalesce(%(now)s::timestamptz, now()) + %(retry_delay)s::interval,
+        -- Out of the claim's index until due (migration 0020).
+        deferred = m.attempts < m.max_attempts AND %(retry_delay)s::interval > interval '0',
         error = %(error)s,
         lease_expires_at = NULL,
         lease_token = NULL,
@@ -73,6 +75,7 @@ WHERE m.id = %(id)s;
 -- Cancel a message in any non-terminal state; a running holder learns it at its next heartbeat or write.
 UPDATE agent_messages
 SET status = 'cancelled',
+    deferred = false,
     lease_expires_at = NULL,
     finished_at = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
@@ -110,6 +113,7 @@ victims AS (
 )
 UPDATE agent_messages m
 SET status = 'expired',
+    deferred = false,
     finished_at = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = CASE WHEN victims.wait
@@ -133,6 +137,7 @@ WITH victims AS MATERIALIZED (
 )
 UPDATE agent_messages m
 SET status = 'expired',
+    deferred = false,
     finished_at = coalesce(%(now)s::timestamptz, now()),
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = 'max_queue_age',
@@ -155,6 +160,7 @@ UPDATE agent_messages m
 SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
                   ELSE 'pending' END::message_status,
     not_before = coalesce(%(now)s::timestamptz, now()),
+    deferred = false,
     lease_expires_at = NULL,
     lease_token = NULL,
     error = 'lease expired (worker ' || coalesce(m.claimed_by, '?') || ' went silent)',
@@ -167,12 +173,37 @@ FROM stuck
 WHERE m.id = stuck.id
 RETURNING m.id;
 
+-- name: message_promote_due :one
+-- Put deferred work that has come due (a retry's backoff over, a not_before reached) back into the claim's index, a bounded batch, oldest due first; ring each lane it fills (migration 0020).
+WITH due AS MATERIALIZED (
+    SELECT id FROM agent_messages
+    WHERE status = 'pending' AND deferred
+      AND not_before <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY not_before
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+),
+promoted AS (
+    -- Not a change of status: nothing is logged, and the update trigger rings no bell for it.
+    UPDATE agent_messages m
+    SET deferred = false
+    FROM due
+    WHERE m.id = due.id
+    RETURNING m.lane
+)
+SELECT count(*) AS promoted,
+       (SELECT count(pg_notify('appliance_work', l.lane::text))
+        FROM (SELECT DISTINCT p.lane FROM promoted p) AS l
+        WHERE current_setting('appliance.notify', true) IS DISTINCT FROM 'off') AS rung
+FROM promoted;
+
 -- name: message_redrive :many
 -- Send dead messages back to pending with fresh attempts (all of the tenant's dead ones when `ids` is NULL).
 UPDATE agent_messages
 SET status = 'pending',
     attempts = 0,
     not_before = coalesce(%(now)s::timestamptz, now()),
+    deferred = false,
     finished_at = NULL,
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = 'redriven',
@@ -198,8 +229,8 @@ WHERE message_id = %(id)s
 ORDER BY id;
 
 -- name: bus_status :many
--- Counts by lane and status, with the oldest pending age and oldest running lease age per lane.
-SELECT m.lane, m.status, count(*) AS n,
+-- Counts by lane and status (pending ones not due yet also counted apart), with the oldest pending age and oldest running lease age per lane.
+SELECT m.lane, m.status, count(*) AS n, count(*) FILTER (WHERE m.deferred) AS deferred,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now())
                - min(m.created_at) FILTER (WHERE m.status = 'pending')) AS oldest_pending_s,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now())

@@ -48,7 +48,7 @@ eligible AS MATERIALIZED (
           SELECT FROM unnest(%(open_tiers)s::text[]) AS o(tier)
           CROSS JOIN LATERAL (
               SELECT FROM agent_messages m
-              WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
+              WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
                 AND coalesce(m.tier, '') = o.tier AND m.tenant = r.tenant
                 AND m.not_before <= clock(%(now)s)
               ORDER BY m.priority DESC, m.not_before, m.id LIMIT 1 OFFSET 0
@@ -74,7 +74,7 @@ picked AS MATERIALIZED (
         CROSS JOIN LATERAL (
             SELECT m.id, m.tenant, m.pipeline, m.stage, m.priority, m.not_before
             FROM agent_messages m
-            WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
+            WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
               AND coalesce(m.tier, '') = o.tier AND m.tenant = s.tenant
               AND m.not_before <= clock(%(now)s)
               AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
@@ -123,7 +123,7 @@ backlog AS (
     FROM unnest(%(open_tiers)s::text[]) AS o(tier)
     CROSS JOIN LATERAL (
         SELECT FROM agent_messages m
-        WHERE m.status = 'pending' AND m.lane = %(lane)s::lane
+        WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
           AND coalesce(m.tier, '') = o.tier AND m.not_before <= clock(%(now)s)
           -- What `picked` could take: not late work (the expirer's) or work of a blocked
           -- tier (a runner without a pool would otherwise ask again after every message).
@@ -202,6 +202,7 @@ SET status = 'pending',
     lease_expires_at = NULL,
     lease_token = NULL,
     not_before = least(m.not_before, coalesce(%(now)s::timestamptz, now())),
+    deferred = false,
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = 'released',
     status_actor = %(actor)s
@@ -380,6 +381,7 @@ SET status = 'pending',
     waiting_for = NULL,
     wait_expires_at = NULL,
     not_before = coalesce(%(now)s::timestamptz, now()),
+    deferred = false,
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = 'capability_available: ' || m.waiting_for,
     status_actor = %(actor)s
@@ -426,6 +428,8 @@ UPDATE agent_messages m
 SET status = 'pending',
     attempts = greatest(m.attempts - 1, 0),
     not_before = coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
+    -- Out of the claim's index until due (migration 0020).
+    deferred = %(delay)s::interval > interval '0',
     lease_expires_at = NULL,
     lease_token = NULL,
     updated_at = coalesce(%(now)s::timestamptz, now()),

@@ -109,6 +109,7 @@ SET status = 'pending',
     waiting_for = NULL,
     wait_expires_at = NULL,
     not_before = coalesce(%(now)s::timestamptz, now()),
+    deferred = false,
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = %(reason)s,
     status_actor = %(actor)s

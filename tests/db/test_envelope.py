@@ -249,7 +249,11 @@ async def test_retry_backoff_then_dead_then_redrive(store: PgMessageStore, tenan
         ceiling = timedelta(seconds=10 * 2 ** (attempt - 1))
         assert ceiling / 2 <= delay <= ceiling
         assert await bus.claim("w", now=at) == []  # not before the backoff
+        assert again.extra["deferred"] is True  # out of the claim's index until due
+        assert await bus.promote_due(now=again.not_before - timedelta(microseconds=1)) == 0
         at = again.not_before
+        assert await bus.claim("w", now=at) == []  # due, not yet promoted
+        assert await bus.promote_due(now=at) == 1
     (m,) = await bus.claim("w", now=at)
     assert await bus.fail(m, "boom 3", now=at) is FailOutcome.DEAD
     dead = await bus.get("acme", m.id)

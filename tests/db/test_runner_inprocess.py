@@ -22,6 +22,7 @@ from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.envelope import EnqueueRequest, Lane, MessageStatus
 from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
 from appliance.domain.ports import LaneClaim
+from appliance.domain.retry import RetryPolicy
 
 seen: dict[str, Any] = {}
 
@@ -334,6 +335,43 @@ async def test_spawned_work_is_enqueued_under_the_bus_settings(fresh_db: Endpoin
             ).fetchall()
     # Spawned before the spawner's completion was recorded, so there once it is done.
     assert leaf == [{"max_attempts": 2, "kept": timedelta(days=3)}]
+
+
+flaky_calls: list[float] = []
+
+
+async def flaky(ctx: StageContext) -> StageResult:
+    flaky_calls.append(time.monotonic())
+    if len(flaky_calls) == 1:
+        raise RuntimeError("first attempt fails")
+    return ctx.finish()
+
+
+FLAKY = [Pipeline("flaky", (Stage("run", flaky),))]
+
+
+async def test_a_retry_runs_when_its_backoff_ends_without_doorbell_or_maintenance(
+    fresh_db: Endpoints,
+) -> None:
+    """A failed attempt backs off out of the claim's index; when the backoff ends, the runner
+    that failed it makes it claimable again and runs it, rather than at the next poll."""
+    flaky_calls.clear()
+    async with opened(fresh_db, FLAKY) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "flaky", "retried"))
+        config = RunnerConfig(worker_id="retrier", poll_interval=timedelta(seconds=60))
+        retry = RetryPolicy(base=timedelta(seconds=0.4), cap=timedelta(seconds=0.4))
+        runner = Runner(store, Registry(FLAKY), config, doorbell=None, retry=retry)
+        stop = asyncio.Event()
+        task = asyncio.create_task(runner.run(stop))
+        try:
+            await wait_status(bus, r.id, MessageStatus.DONE, timeout=10)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
+        assert runner.stats.polls == 0
+    first, second = flaky_calls
+    assert 0.2 <= second - first < 5  # the backoff (0.2-0.4 s), not the 60 s poll
 
 
 class _ClaimSizes(PgRunnerStore):

@@ -108,6 +108,8 @@ class Model:
     expires: datetime | None = None
     run_deadline: datetime | None = None
     not_before: datetime = T0
+    # Pending but not due when written: out of the claim's index until promoted.
+    deferred: bool = False
     reset_by_redrive: int = 0
     log: list[Logged] = field(default_factory=list)
 
@@ -232,7 +234,11 @@ class EnvelopeMachine(RuleBasedStateMachine):
     @rule(limit=st.integers(1, 3), lease=st.sampled_from(LEASES))
     def claim(self, limit: int, lease: timedelta) -> None:
         ready = sorted(
-            (m for m in self.model.values() if m.status is S.PENDING and m.not_before <= self.now),
+            (
+                m
+                for m in self.model.values()
+                if m.status is S.PENDING and not m.deferred and m.not_before <= self.now
+            ),
             key=lambda m: (m.not_before, m.id),
         )[:limit]
         got = self.run(self.bus.claim("w", limit=limit, lease=lease, now=self.now))
@@ -331,6 +337,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
         else:
             assert outcome is FailOutcome.RETRY
             m.move(S.PENDING, "attempt_failed")
+            m.deferred = m.not_before > self.now
         m.token = None
         after = self.row(m.id)
         assert after.error == "boom" and after.not_before == m.not_before
@@ -346,6 +353,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
             return
         assert done
         m.expires = None
+        m.deferred = False
         m.move(S.CANCELLED, "stop")
 
     @precondition(lambda self: self.any_in(S.RUNNING))
@@ -380,6 +388,18 @@ class EnvelopeMachine(RuleBasedStateMachine):
             m.attempts = 0
             m.not_before = self.now
             m.move(S.PENDING, "redriven")
+
+    @precondition(lambda self: self.any_in(S.PENDING))
+    @rule()
+    def promote_due(self) -> None:
+        due = [
+            m
+            for m in self.model.values()
+            if m.status is S.PENDING and m.deferred and m.not_before <= self.now
+        ]
+        assert self.run(self.bus.promote_due(now=self.now)) == len(due)
+        for m in due:
+            m.deferred = False
 
     @rule(seconds=st.integers(0, 90))
     def advance_clock(self, seconds: int) -> None:
@@ -422,6 +442,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
             assert row["max_attempts"] == m.max_attempts
             if m.status is S.PENDING:
                 assert row["not_before"] == m.not_before
+            assert row["deferred"] == m.deferred, f"message {message_id}"
             self._check_log(message_id, row, log.get(message_id, []), m)
         for message_id, result in self.done.items():
             assert (rows[message_id]["status"], rows[message_id]["result"]) == (S.DONE, result)
@@ -457,7 +478,8 @@ class EnvelopeMachine(RuleBasedStateMachine):
         async with self.db.system_conn() as conn:
             cur = await conn.execute(
                 "SELECT id, status::text AS status, attempts, max_attempts, lease_token,"
-                " lease_expires_at, run_deadline, not_before, result FROM agent_messages"
+                " lease_expires_at, run_deadline, not_before, deferred, result"
+                " FROM agent_messages"
             )
             rows = {r["id"]: r for r in await cur.fetchall()}
             cur = await conn.execute(

@@ -1,0 +1,99 @@
+"""Work that is not due yet (a retry's backoff, a deferral, an enqueue for later) stays out of
+the claim's index until the promoter makes it claimable, and rings its lane then."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from appliance.bus.core import Bus
+from appliance.db.database import Database
+from appliance.db.listener import PgDoorbell
+from appliance.db.runner_store import PgRunnerStore
+from appliance.domain.envelope import Lane, MessageStatus
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+PENDING_INDEX = "appliance.agent_messages_lane_tier_tenant_priority_not_before_id_idx"
+
+
+async def enqueue(bus: Bus, prefix: str, n: int, **kw: Any) -> None:
+    for first in range(0, n, 1000):
+        await bus.enqueue_many(
+            [
+                bus.request(tenant="acme", pipeline="demo", stage="intake", source="t",
+                            source_id=f"{prefix}{i}", directive="work", **kw)
+                for i in range(first, min(n, first + 1000))
+            ],
+            now=T0,
+        )  # fmt: skip
+
+
+async def test_a_claim_reads_none_of_the_work_deferred_ahead_of_it(
+    bus: Bus, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5,000 messages of a higher priority wait for tomorrow ahead of 20 due ones: a claim of
+    10 takes due ones and reads no more of the pending index than with nothing deferred."""
+    store = PgRunnerStore(db)
+
+    async def pages_read() -> tuple[int, set[str]]:
+        async with db.system_pool.connection() as conn, conn.transaction(force_rollback=True):
+            # The claim on this connection, in this transaction: its index pages are counted
+            # by the per-transaction statistics.
+            @asynccontextmanager
+            async def this_connection() -> AsyncIterator[Any]:
+                yield conn
+
+            monkeypatch.setattr(db, "system_conn", this_connection)
+            # The counter holds what this backend has not reported yet: read it before and after.
+            count = "SELECT pg_stat_get_xact_blocks_fetched(%s::regclass) AS n"
+            before = await (await conn.execute(count, (PENDING_INDEX,))).fetchone()
+            found = await store.claim_lane(
+                worker="w", lane=Lane.INTERACTIVE, limit=10, lease=timedelta(seconds=30),
+                tenant_limit=1000, now=T0,
+            )  # fmt: skip
+            after = await (await conn.execute(count, (PENDING_INDEX,))).fetchone()
+            monkeypatch.undo()
+        assert before is not None and after is not None
+        return int(after["n"] - before["n"]), {m.source_id for m in found.messages}
+
+    await enqueue(bus, "due", 20)
+    alone, first = await pages_read()
+    assert len(first) == 10 and all(sid.startswith("due") for sid in first)
+    await enqueue(bus, "later", 5000, priority=5, not_before=T0 + timedelta(days=1))
+    behind, taken = await pages_read()
+    assert taken == first
+    assert behind <= alone, (alone, behind)
+
+
+async def test_due_work_is_promoted_in_batches_and_rings_its_lane(bus: Bus, db: Database) -> None:
+    store = PgRunnerStore(db)
+    await enqueue(bus, "later", 5, lane=Lane.BATCH, not_before=T0 + timedelta(minutes=5))
+    doorbell = PgDoorbell(db.endpoints.system)
+    await doorbell.start()
+    try:
+        await doorbell.wait(5)  # a connect rings every lane (work may have come meanwhile)
+        await enqueue(bus, "later-too", 1, lane=Lane.BATCH, not_before=T0 + timedelta(hours=1))
+        # An enqueue for later rings nothing: there is nothing to claim.
+        assert await doorbell.wait(0.3) == frozenset()
+        claim: dict[str, Any] = {"worker": "w", "lane": Lane.BATCH, "limit": 10,
+                                 "lease": timedelta(seconds=30), "tenant_limit": 1000}  # fmt: skip
+        due = T0 + timedelta(minutes=5)
+        assert (await store.claim_lane(**claim, now=due)).messages == []  # not promoted yet
+        assert await store.promote_due(batch=2, now=due - timedelta(seconds=1)) == 0
+        assert await store.promote_due(batch=2, now=due) == 2
+        assert await doorbell.wait(5) == frozenset({Lane.BATCH})
+        assert await store.promote_due(batch=2, now=due) == 2
+        assert await store.promote_due(batch=2, now=due) == 1
+        assert await store.promote_due(batch=2, now=due) == 0  # the hour-later one waits
+        lane = (await store.status(now=due)).lanes[Lane.BATCH]
+        assert (lane.counts[MessageStatus.PENDING], lane.deferred) == (6, 1)
+        await asyncio.sleep(0)
+        taken = (await store.claim_lane(**claim, now=due)).messages
+        assert sorted(m.source_id for m in taken) == [f"later{i}" for i in range(5)]
+    finally:
+        await doorbell.close()
