@@ -3,7 +3,7 @@
 for budget, expiring waits, and keeping run_budgets' statistics current; and the update
 trigger's joins stay linear in a statement's size, whatever size its plans were made for
 (migration 0015); and a purge of expired idempotency keys reads a bounded window of the table
-(migration 0016).
+(migration 0016); and the promoter reads only deferred work that has come due (migration 0020).
 
 Each test builds the situation in which the old statement read the whole table (or the whole
 history) and counts the rows the statement reads now."""
@@ -153,6 +153,34 @@ async def test_expiring_waits_does_not_reread_waits_that_ended(quiet_db: Databas
         plan = await explain(cur, call, {"now": None, "batch": 500, "actor": "test"})
     assert rows_written(plan) == 0
     assert hot_reads(plan) <= 10, hot_reads(plan)
+
+
+async def test_promoting_due_work_reads_only_what_has_come_due(quiet_db: Database) -> None:
+    # The promoter runs every second. Its plan is kept from a quiet time (nothing deferred);
+    # then 20,000 messages wait to run and 3,000 retries back off for an hour: a round with
+    # nothing due must read none of them, and a round with 500 due only those.
+    await backlog(quiet_db, 20000)
+    async with quiet_db.system_pool.connection() as aconn:
+        cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
+        call = await prepare(aconn, "message_promote_due", TYPES)
+        await cur.execute(call, {"now": None, "batch": 500})  # the kept plan
+        await admin_sql(
+            quiet_db,
+            "UPDATE appliance.agent_messages SET deferred = true,"
+            " not_before = now() + interval '1 hour'"
+            " WHERE id IN (SELECT id FROM appliance.agent_messages ORDER BY id LIMIT 3000)",
+        )
+        none_due = await explain(cur, call, {"now": None, "batch": 500})
+        await admin_sql(
+            quiet_db,
+            "UPDATE appliance.agent_messages SET not_before = now() - interval '1 second'"
+            " WHERE id IN (SELECT id FROM appliance.agent_messages ORDER BY id LIMIT 500)",
+        )
+        some_due = await explain(cur, call, {"now": None, "batch": 500})
+    assert rows_written(none_due) == 0
+    assert hot_reads(none_due) <= 10, hot_reads(none_due)
+    assert rows_written(some_due) == 500
+    assert hot_reads(some_due) <= 4 * 500, hot_reads(some_due)
 
 
 async def test_run_budgets_are_reanalyzed_when_they_outgrow_their_statistics(
