@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -239,14 +240,27 @@ class BusTarget:
         return m.sample
 
     async def claim_complete(
-        self, n: int, workers: int, limit: int, held: int = 0, blocked: int = 0
+        self,
+        n: int,
+        workers: int,
+        limit: int,
+        held: int = 0,
+        blocked: int = 0,
+        deferred: int = 0,
     ) -> Sample:
         """Claim and complete `n` messages; `held` more are claimed first (untimed) and kept
         running throughout, claimed after the statistics were taken (as when a burst of slow
         work outruns autovacuum). `blocked`: that many messages of a reasoning-tier stage are
         queued ahead of them, and every claim is made with the reasoning tier blocked (as by a
-        runner whose reasoning pool is full): lane claims of the store, as the runner makes."""
+        runner whose reasoning pool is full): lane claims of the store, as the runner makes.
+        `deferred`: that many messages of a higher priority wait for tomorrow ahead of them (a
+        retry storm of urgent work backing off)."""
         await self.reset()
+        if deferred:
+            later = datetime.now(UTC) + timedelta(days=1)
+            ahead = [replace(r, priority=5, not_before=later) for r in self.requests(deferred)]
+            for start in range(0, deferred, BATCH):
+                await self.bus.enqueue_many(ahead[start : start + BATCH])
         if blocked:
             await self.admin_sql(
                 "INSERT INTO appliance.pipeline_stages (pipeline, stage, lane, task_kind, tier,"
@@ -904,6 +918,14 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
             ),
             (
                 Row(
+                    f"bus claim(10) + complete_many, 1 worker, {ns:,} pending behind"
+                    f" {s.held:,} of a higher priority not due until tomorrow",
+                    _m("shallow, behind deferred work: claim10 x1"),
+                ),
+                lambda: bus.claim_complete(ns, 1, 10, deferred=s.held),
+            ),
+            (
+                Row(
                     f"raw claim10 + done, 4 workers, {ns:,} pending", _m("shallow: raw claim10 x4")
                 ),
                 lambda: raw.claim_complete(ns, 4, 10),
@@ -1139,6 +1161,14 @@ def _reading(report: Report) -> list[str]:
             f" made with that tier blocked, as by a runner whose reasoning pool is full):"
             f" claim(10) + complete_many, 1 worker, {fmt_rate(behind.median)} msgs/s,"
             f" {behind.median / alone.median:.2f}x the rate without them in this run."
+        )
+    later = diag.get("shallow, behind deferred work: claim10 x1")
+    if later and alone:
+        out.append(
+            f"- with {report.sizes.held:,} messages of a higher priority queued for tomorrow"
+            f" (deferred, out of the claim's index): claim(10) + complete_many, 1 worker,"
+            f" {fmt_rate(later.median)} msgs/s, {later.median / alone.median:.2f}x the rate"
+            " without them in this run."
         )
     enq = by_name.get(f"bus.enqueue_many ({BATCH:,}), {report.sizes.diag_claim:,} pending")
     if enq:
