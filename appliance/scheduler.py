@@ -108,7 +108,6 @@ class Maintenance:
         self._idle.set()
         jobs: list[tuple[Callable[..., Awaitable[None]], Any]] = [
             (self.reclaim, IntervalTrigger(seconds=reclaim_every.total_seconds())),
-            (self.promote, IntervalTrigger(seconds=reclaim_every.total_seconds())),
             (self.expire, IntervalTrigger(seconds=expire_every.total_seconds())),
             (self.archive, IntervalTrigger(seconds=archive_every.total_seconds())),
             (self.purge_keys, IntervalTrigger(seconds=purge_keys_every.total_seconds())),
@@ -172,6 +171,10 @@ class Maintenance:
         await asyncio.sleep(0)  # AsyncIOScheduler shuts down on the loop's next pass
 
     async def reclaim(self) -> None:
+        """Reclaim expired leases, then promote deferred work that came due: one tick of the
+        same job (a second job at the same interval ran at its own phase, and the runner's
+        dispatch latency showed both)."""
+        await self.promote()
         try:
             ids = await self.bus.reclaim()
             self.reclaimed += len(ids)

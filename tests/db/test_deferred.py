@@ -16,6 +16,7 @@ from appliance.db.database import Database
 from appliance.db.listener import PgDoorbell
 from appliance.db.runner_store import PgRunnerStore
 from appliance.domain.envelope import Lane, MessageStatus
+from appliance.scheduler import Maintenance
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 PENDING_INDEX = "appliance.agent_messages_lane_tier_tenant_priority_not_before_id_idx"
@@ -97,3 +98,12 @@ async def test_due_work_is_promoted_in_batches_and_rings_its_lane(bus: Bus, db: 
         assert sorted(m.source_id for m in taken) == [f"later{i}" for i in range(5)]
     finally:
         await doorbell.close()
+
+
+async def test_the_maintenance_tick_that_reclaims_also_promotes(bus: Bus, db: Database) -> None:
+    await enqueue(bus, "later", 3, not_before=T0 + timedelta(minutes=5))  # due by the real clock
+    maintenance = Maintenance(bus, PgRunnerStore(db))
+    await maintenance.reclaim()
+    assert maintenance.promoted == 3
+    taken = await bus.claim("w", limit=10)
+    assert len(taken) == 3
