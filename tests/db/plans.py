@@ -8,9 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import psycopg
 
@@ -19,6 +19,14 @@ from appliance.db.database import Database
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
 from appliance.domain.envelope import Lane, LeaseRef
+
+T = TypeVar("T")
+PENDING_INDEX = "appliance.agent_messages_lane_tier_tenant_priority_not_before_id_idx"
+# Per-transaction statistics of one relation, by what they count.
+_XACT_STATS = {
+    "blocks_fetched": "SELECT pg_stat_get_xact_blocks_fetched(%s::regclass) AS n",
+    "tuples_returned": "SELECT pg_stat_get_xact_tuples_returned(%s::regclass) AS n",
+}
 
 # The claim statement's parameter types (PREPARE needs them).
 CLAIM_TYPES = {
@@ -214,3 +222,33 @@ async def admin_sql(db: Database, *statements: str) -> None:
     async with await psycopg.AsyncConnection.connect(db.endpoints.admin, autocommit=True) as conn:
         for statement in statements:
             await conn.execute(statement)
+
+
+async def read_by(
+    db: Database,
+    call: Callable[[], Awaitable[T]],
+    *,
+    stat: Literal["blocks_fetched", "tuples_returned"],
+    relation: str,
+    monkeypatch: Any,
+) -> tuple[T, int]:
+    """What `call` returns, and how much of `relation` its system-role statements read (pages
+    fetched, or index entries / rows returned): they run on one connection, in one transaction
+    that is rolled back, where the per-transaction statistics count them. The counter also holds
+    what the backend has not reported yet, so it is read before and after."""
+    async with db.system_pool.connection() as conn, conn.transaction(force_rollback=True):
+
+        @contextlib.asynccontextmanager
+        async def this_connection() -> AsyncIterator[Any]:
+            yield conn
+
+        monkeypatch.setattr(db, "system_conn", this_connection)
+        try:
+            count = _XACT_STATS[stat]
+            before = await (await conn.execute(count, (relation,))).fetchone()
+            result = await call()
+            after = await (await conn.execute(count, (relation,))).fetchone()
+        finally:
+            monkeypatch.undo()
+    assert before is not None and after is not None
+    return result, int(after["n"] - before["n"])

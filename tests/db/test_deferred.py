@@ -4,8 +4,6 @@ the claim's index until the promoter makes it claimable, and rings its lane then
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -17,9 +15,9 @@ from appliance.db.listener import PgDoorbell
 from appliance.db.runner_store import PgRunnerStore
 from appliance.domain.envelope import Lane, MessageStatus
 from appliance.scheduler import Maintenance
+from tests.db.plans import PENDING_INDEX, read_by
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
-PENDING_INDEX = "appliance.agent_messages_lane_tier_tenant_priority_not_before_id_idx"
 
 
 async def enqueue(bus: Bus, prefix: str, n: int, **kw: Any) -> None:
@@ -42,25 +40,15 @@ async def test_a_claim_reads_none_of_the_work_deferred_ahead_of_it(
     store = PgRunnerStore(db)
 
     async def pages_read() -> tuple[int, set[str]]:
-        async with db.system_pool.connection() as conn, conn.transaction(force_rollback=True):
-            # The claim on this connection, in this transaction: its index pages are counted
-            # by the per-transaction statistics.
-            @asynccontextmanager
-            async def this_connection() -> AsyncIterator[Any]:
-                yield conn
-
-            monkeypatch.setattr(db, "system_conn", this_connection)
-            # The counter holds what this backend has not reported yet: read it before and after.
-            count = "SELECT pg_stat_get_xact_blocks_fetched(%s::regclass) AS n"
-            before = await (await conn.execute(count, (PENDING_INDEX,))).fetchone()
-            found = await store.claim_lane(
+        found, pages = await read_by(
+            db,
+            lambda: store.claim_lane(
                 worker="w", lane=Lane.INTERACTIVE, limit=10, lease=timedelta(seconds=30),
                 tenant_limit=1000, now=T0,
-            )  # fmt: skip
-            after = await (await conn.execute(count, (PENDING_INDEX,))).fetchone()
-            monkeypatch.undo()
-        assert before is not None and after is not None
-        return int(after["n"] - before["n"]), {m.source_id for m in found.messages}
+            ),
+            stat="blocks_fetched", relation=PENDING_INDEX, monkeypatch=monkeypatch,
+        )  # fmt: skip
+        return pages, {m.source_id for m in found.messages}
 
     await enqueue(bus, "due", 20)
     alone, first = await pages_read()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,6 +13,7 @@ from appliance.db.database import Database, Endpoints
 from appliance.db.message_store import _enqueue_params
 from appliance.db.queries import q
 from appliance.domain.envelope import Lane
+from tests.db.plans import PENDING_INDEX, read_by
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 TABLES = ("agent_messages", "idempotency_keys", "message_transitions")
@@ -183,20 +182,10 @@ async def test_a_tenant_claim_reads_none_of_another_tenants_backlog(
             ],
             now=T0,
         )  # fmt: skip
-    pending_index = "appliance.agent_messages_lane_tier_tenant_priority_not_before_id_idx"
-    async with db.system_pool.connection() as conn, conn.transaction():
-        # The claim runs on this connection, inside this transaction, so that the index
-        # entries it read can be counted (per-transaction statistics).
-        @asynccontextmanager
-        async def this_connection() -> AsyncIterator[Any]:
-            yield conn
-
-        monkeypatch.setattr(db, "system_conn", this_connection)
-        # The counter holds what this backend has not reported yet: read it before and after.
-        count = "SELECT pg_stat_get_xact_tuples_returned(%s::regclass) AS n"
-        before = await (await conn.execute(count, (pending_index,))).fetchone()
-        got = await bus.claim("w", tenant="acme", limit=10, now=T0)
-        after = await (await conn.execute(count, (pending_index,))).fetchone()
+    got, read = await read_by(
+        db,
+        lambda: bus.claim("w", tenant="acme", limit=10, now=T0),
+        stat="tuples_returned", relation=PENDING_INDEX, monkeypatch=monkeypatch,
+    )  # fmt: skip
     assert sorted(m.source_id for m in got) == ["0", "1", "2"]
-    assert before is not None and after is not None
-    assert after["n"] - before["n"] <= 20, (before, after)
+    assert read <= 20, read
