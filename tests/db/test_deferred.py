@@ -81,6 +81,11 @@ async def test_due_work_is_promoted_in_batches_and_rings_its_lane(bus: Bus, db: 
         assert await store.promote_due(batch=2, now=due) == 0  # the hour-later one waits
         lane = (await store.status(now=due)).lanes[Lane.BATCH]
         assert (lane.counts[MessageStatus.PENDING], lane.deferred) == (6, 1)
+        # The oldest pending age is of due work: the five, enqueued at T0; before they were
+        # due, nothing waited.
+        assert lane.oldest_pending_age_s == (due - T0).total_seconds()
+        early = (await store.status(now=due - timedelta(seconds=1))).lanes[Lane.BATCH]
+        assert early.oldest_pending_age_s is None
         await asyncio.sleep(0)
         taken = (await store.claim_lane(**claim, now=due)).messages
         assert sorted(m.source_id for m in taken) == [f"later{i}" for i in range(5)]
