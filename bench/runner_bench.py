@@ -329,8 +329,8 @@ SET status = 'running',
 FROM nondurable
 WHERE m.id = ANY(ARRAY(
     SELECT p.id FROM appliance.agent_messages p
-    WHERE p.status = 'pending' AND p.lane = %(lane)s::appliance.lane AND p.not_before <= now()
-      AND coalesce(p.tier, '') = ''
+    WHERE p.status = 'pending' AND NOT p.deferred AND p.lane = %(lane)s::appliance.lane
+      AND p.not_before <= now() AND coalesce(p.tier, '') = ''
     ORDER BY p.lane, coalesce(p.tier, ''), p.tenant, p.priority DESC, p.not_before, p.id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED))
