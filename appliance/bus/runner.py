@@ -63,8 +63,6 @@ CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
 # deadline if that comes first) had left when it was claimed, and within a heartbeat interval,
 # or it is given back.
 HELD_SHARE_OF_LEASE = 0.25
-# How early a local wake-up's timer may fire and still count as reached (clock granularity).
-LOCAL_WAKE_SLACK_S = 0.005
 
 
 def _call_status(exc: BaseException) -> tuple[str, str]:
@@ -253,7 +251,9 @@ class Runner:
         self._claims_full = False  # the last claim that found work got all it asked for
         self._side_claim: asyncio.Task[None] | None = None
         self._stopping = False
-        self._next_local_wake: float | None = None
+        # Set by a local wake-up's timer (a retry's backoff or a deferral ended, a failed claim
+        # is due again): the next wake-up asks every lane.
+        self._local_woken = False
         # Set when a wake-up may be for deferred work come due (a retry's backoff ended, or the
         # fallback poll): it is made claimable before the claims (message_promote_due).
         self._promote_first = False
@@ -323,10 +323,7 @@ class Runner:
     def _poll_timeout(self) -> float:
         base = self.config.poll_interval.total_seconds()
         jitter = self.config.poll_jitter
-        timeout = base * self.rng.uniform(1 - jitter, 1 + jitter)
-        if self._next_local_wake is not None:
-            timeout = max(0.0, min(timeout, self._next_local_wake - time.monotonic()))
-        return timeout
+        return base * self.rng.uniform(1 - jitter, 1 + jitter)
 
     async def _wait_for_reason(self) -> bool:
         """Wait for a wake-up; True when it was the fallback poll (nothing else woke us)."""
@@ -341,11 +338,10 @@ class Runner:
                 polled = True
                 self._promote_first = True
                 self._hint(*Lane)  # the fallback poll: ask every lane
-        if self._local_wake_reached():
-            self._next_local_wake = None
+        if self._local_woken:
+            self._local_woken = False
             # A retry's backoff ended: its lane is unknown here, and the maintenance's
-            # promoter may not have made it claimable yet.
-            self._promote_first = True
+            # promoter may not have made it claimable yet (_promote_first is set).
             self._hint(*Lane)
             polled = False
         self._wake.clear()
@@ -561,24 +557,15 @@ class Runner:
             self._hints[lane] += 1
 
     def _schedule_local_wake(self, seconds: float) -> None:
-        """Wake the loop in `seconds` (a retry's backoff, a deferral): a timer of its own, since
-        the loop may be waiting out a long poll timeout computed before this was known."""
-        seconds = max(0.0, seconds)
-        at = time.monotonic() + seconds
-        if self._next_local_wake is None or at < self._next_local_wake:
-            self._next_local_wake = at
-            asyncio.get_running_loop().call_later(seconds, self._local_wake_due)
+        """Wake the loop in `seconds` (a retry's backoff, a deferral): a timer for each, since
+        the loop may be waiting out a long poll timeout computed before this was known, and
+        every retry must be woken for, not only the earliest."""
+        asyncio.get_running_loop().call_later(max(0.0, seconds), self._local_wake_due)
 
     def _local_wake_due(self) -> None:
-        if self._local_wake_reached():
-            self._wake.set()
-
-    def _local_wake_reached(self) -> bool:
-        # The timer and the clock read here may disagree by a hair: a wake-up that early counts.
-        return (
-            self._next_local_wake is not None
-            and time.monotonic() >= self._next_local_wake - LOCAL_WAKE_SLACK_S
-        )
+        self._local_woken = True
+        self._promote_first = True
+        self._wake.set()
 
     def _deadline_of(self, message: Message) -> datetime | None:
         run_deadline = message.extra.get("run_deadline")

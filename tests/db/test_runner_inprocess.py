@@ -4,6 +4,7 @@ handler, bad handlers failing their attempt, and the runner's health in the stat
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -337,12 +338,13 @@ async def test_spawned_work_is_enqueued_under_the_bus_settings(fresh_db: Endpoin
     assert leaf == [{"max_attempts": 2, "kept": timedelta(days=3)}]
 
 
-flaky_calls: list[float] = []
+flaky_calls: dict[str, list[float]] = {}
 
 
 async def flaky(ctx: StageContext) -> StageResult:
-    flaky_calls.append(time.monotonic())
-    if len(flaky_calls) == 1:
+    calls = flaky_calls.setdefault(ctx.message.source_id, [])
+    calls.append(time.monotonic())
+    if len(calls) == 1:
         raise RuntimeError("first attempt fails")
     return ctx.finish()
 
@@ -350,28 +352,34 @@ async def flaky(ctx: StageContext) -> StageResult:
 FLAKY = [Pipeline("flaky", (Stage("run", flaky),))]
 
 
-async def test_a_retry_runs_when_its_backoff_ends_without_doorbell_or_maintenance(
+async def test_retries_run_when_their_backoffs_end_without_doorbell_or_maintenance(
     fresh_db: Endpoints,
 ) -> None:
-    """A failed attempt backs off out of the claim's index; when the backoff ends, the runner
-    that failed it makes it claimable again and runs it, rather than at the next poll."""
+    """Failed attempts back off out of the claim's index; when each backoff ends, the runner
+    that failed it makes it claimable again and runs it, rather than at the next poll: every
+    retry's wake-up, not only the earliest."""
     flaky_calls.clear()
     async with opened(fresh_db, FLAKY) as store:
         bus = Bus(store)
-        r = await bus.enqueue(**request(bus, "flaky", "retried"))
+        ids = [(await bus.enqueue(**request(bus, "flaky", sid))).id for sid in ("a", "b")]
         config = RunnerConfig(worker_id="retrier", poll_interval=timedelta(seconds=60))
-        retry = RetryPolicy(base=timedelta(seconds=0.4), cap=timedelta(seconds=0.4))
-        runner = Runner(store, Registry(FLAKY), config, doorbell=None, retry=retry)
+        retry = RetryPolicy(base=timedelta(seconds=0.8), cap=timedelta(seconds=0.8))
+        # Both fail in one claim, with backoffs apart (0.4-0.8 s, seeded).
+        runner = Runner(
+            store, Registry(FLAKY), config, doorbell=None, retry=retry, rng=random.Random(7)
+        )
         stop = asyncio.Event()
         task = asyncio.create_task(runner.run(stop))
         try:
-            await wait_status(bus, r.id, MessageStatus.DONE, timeout=10)
+            for mid in ids:
+                await wait_status(bus, mid, MessageStatus.DONE, timeout=10)
         finally:
             stop.set()
             await asyncio.wait_for(task, 20)
         assert runner.stats.polls == 0
-    first, second = flaky_calls
-    assert 0.2 <= second - first < 5  # the backoff (0.2-0.4 s), not the 60 s poll
+    gaps = [second - first for first, second in flaky_calls.values()]
+    assert all(0.3 <= gap < 5 for gap in gaps), gaps  # the backoffs, not the 60 s poll
+    assert abs(gaps[0] - gaps[1]) > 0.02, gaps  # the backoffs really differed
 
 
 class _ClaimSizes(PgRunnerStore):
