@@ -1630,10 +1630,10 @@ CREATE INDEX agent_messages_archive_default_tenant_source_source_id_idx ON appli
 CREATE INDEX agent_messages_deadline_idx ON appliance.agent_messages USING btree (deadline) WHERE ((deadline IS NOT NULL) AND (status = ANY (ARRAY['pending'::appliance.message_status, 'awaiting_approval'::appliance.message_status, 'held_budget'::appliance.message_status, 'waiting_capability'::appliance.message_status])));
 
 --
--- Name: agent_messages_deferred_not_before_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+-- Name: agent_messages_deferred_lane_not_before_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX agent_messages_deferred_not_before_idx ON appliance.agent_messages USING btree (not_before) WHERE ((status = 'pending'::appliance.message_status) AND deferred);
+CREATE INDEX agent_messages_deferred_lane_not_before_idx ON appliance.agent_messages USING btree (lane, not_before) WHERE ((status = 'pending'::appliance.message_status) AND deferred);
 
 --
 -- Name: agent_messages_finished_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner

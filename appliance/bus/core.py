@@ -178,7 +178,9 @@ class Bus:
 
     async def promote_due(self, *, now: datetime | None = None) -> int:
         """Deferred work that has come due becomes claimable (a bounded batch); how many."""
-        return await self.store.promote_due(batch=self.config.maintenance_batch, now=now)
+        return await self.store.promote_due(
+            lanes=ALL_LANES, batch=self.config.maintenance_batch, now=now
+        )
 
     async def redrive(
         self,

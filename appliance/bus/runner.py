@@ -493,7 +493,7 @@ class Runner:
 
     async def _promote_due(self) -> None:
         try:
-            await self.store.promote_due(batch=500, now=None)
+            await self.store.promote_due(lanes=CLAIM_ORDER, batch=500, now=None)
         except Exception:
             log.exception("promoting due work on the claim path failed")
 

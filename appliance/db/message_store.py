@@ -466,14 +466,19 @@ class PgMessageStore:
             )
             return [r["id"] for r in await cur.fetchall()]
 
-    async def promote_due(self, *, batch: int = 500, now: datetime | None = None) -> int:
+    async def promote_due(
+        self, *, lanes: Sequence[Lane], batch: int = 500, now: datetime | None = None
+    ) -> int:
         """Make deferred work that has come due claimable again (its not_before reached: a
-        retry's backoff over, work enqueued for later), a bounded batch; rings the lanes it
-        fills. How many."""
+        retry's backoff over, work enqueued for later), a bounded batch taken lane by lane in
+        the order of `lanes` (claim order); rings the lanes it fills. How many."""
+        params = {
+            "lanes": "{" + ",".join(lane.value for lane in lanes) + "}",
+            "batch": batch,
+            "now": now,
+        }
         async with self.db.system_conn() as conn:
-            row = await (
-                await conn.execute(q("message_promote_due"), {"now": now, "batch": batch})
-            ).fetchone()
+            row = await (await conn.execute(q("message_promote_due"), params)).fetchone()
         return int(row["promoted"]) if row else 0
 
     async def redrive(

@@ -175,7 +175,9 @@ class MessageStore(Protocol):
 
     async def reclaim(self, *, batch: int, now: datetime | None) -> list[int]: ...
 
-    async def promote_due(self, *, batch: int, now: datetime | None) -> int: ...
+    async def promote_due(
+        self, *, lanes: Sequence[Lane], batch: int, now: datetime | None
+    ) -> int: ...
 
     async def redrive(
         self, tenant: str, message_ids: Sequence[int] | None, *, actor: str, now: datetime | None

@@ -174,14 +174,21 @@ WHERE m.id = stuck.id
 RETURNING m.id;
 
 -- name: message_promote_due :one
--- Put deferred work that has come due (a retry's backoff over, a not_before reached) back into the claim's index, a bounded batch, oldest due first; ring each lane it fills (migration 0020).
+-- Put deferred work that has come due (a retry's backoff over, a not_before reached) back into the claim's index, a bounded batch, lane by lane in the order given (claim order), each oldest due first; ring each lane it fills (migrations 0020, 0021).
 WITH due AS MATERIALIZED (
-    SELECT id FROM agent_messages
-    WHERE status = 'pending' AND deferred
-      AND not_before <= coalesce(%(now)s::timestamptz, now())
-    ORDER BY not_before
+    -- The lanes one after the other: a lane's rows are read only while the batch has room,
+    -- and only the rows taken are locked.
+    SELECT d.id
+    FROM unnest(%(lanes)s::lane[]) AS l(lane)
+    CROSS JOIN LATERAL (
+        SELECT m.id FROM agent_messages m
+        WHERE m.status = 'pending' AND m.deferred AND m.lane = l.lane
+          AND m.not_before <= coalesce(%(now)s::timestamptz, now())
+        ORDER BY m.not_before
+        LIMIT %(batch)s
+        FOR UPDATE SKIP LOCKED
+    ) AS d
     LIMIT %(batch)s
-    FOR UPDATE SKIP LOCKED
 ),
 promoted AS (
     -- Not a change of status: nothing is logged, and the update trigger rings no bell for it.

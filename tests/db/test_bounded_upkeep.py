@@ -43,6 +43,7 @@ TYPES = {
     "batch": "integer",
     "tiers": "text[]",
     "earlier_months_only": "boolean",
+    "lanes": "lane[]",
 }
 
 
@@ -163,20 +164,21 @@ async def test_promoting_due_work_reads_only_what_has_come_due(quiet_db: Databas
     async with quiet_db.system_pool.connection() as aconn:
         cur = psycopg.AsyncClientCursor(aconn, row_factory=dict_row)
         call = await prepare(aconn, "message_promote_due", TYPES)
-        await cur.execute(call, {"now": None, "batch": 500})  # the kept plan
+        promote = {"now": None, "batch": 500, "lanes": ["interactive", "system", "batch"]}
+        await cur.execute(call, promote)  # the kept plan
         await admin_sql(
             quiet_db,
             "UPDATE appliance.agent_messages SET deferred = true,"
             " not_before = now() + interval '1 hour'"
             " WHERE id IN (SELECT id FROM appliance.agent_messages ORDER BY id LIMIT 3000)",
         )
-        none_due = await explain(cur, call, {"now": None, "batch": 500})
+        none_due = await explain(cur, call, promote)
         await admin_sql(
             quiet_db,
             "UPDATE appliance.agent_messages SET not_before = now() - interval '1 second'"
             " WHERE id IN (SELECT id FROM appliance.agent_messages ORDER BY id LIMIT 500)",
         )
-        some_due = await explain(cur, call, {"now": None, "batch": 500})
+        some_due = await explain(cur, call, promote)
     assert rows_written(none_due) == 0
     assert hot_reads(none_due) <= 10, hot_reads(none_due)
     assert rows_written(some_due) == 500

@@ -18,6 +18,7 @@ from appliance.scheduler import Maintenance
 from tests.db.plans import PENDING_INDEX, read_by
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+LANES = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)  # claim order
 
 
 async def enqueue(bus: Bus, prefix: str, n: int, **kw: Any) -> None:
@@ -73,12 +74,14 @@ async def test_due_work_is_promoted_in_batches_and_rings_its_lane(bus: Bus, db: 
                                  "lease": timedelta(seconds=30), "tenant_limit": 1000}  # fmt: skip
         due = T0 + timedelta(minutes=5)
         assert (await store.claim_lane(**claim, now=due)).messages == []  # not promoted yet
-        assert await store.promote_due(batch=2, now=due - timedelta(seconds=1)) == 0
-        assert await store.promote_due(batch=2, now=due) == 2
+        assert await store.promote_due(lanes=LANES, batch=2, now=due - timedelta(seconds=1)) == 0
+        assert await store.promote_due(lanes=LANES, batch=2, now=due) == 2
         assert await doorbell.wait(5) == frozenset({Lane.BATCH})
-        assert await store.promote_due(batch=2, now=due) == 2
-        assert await store.promote_due(batch=2, now=due) == 1
-        assert await store.promote_due(batch=2, now=due) == 0  # the hour-later one waits
+        assert await store.promote_due(lanes=LANES, batch=2, now=due) == 2
+        assert await store.promote_due(lanes=LANES, batch=2, now=due) == 1
+        assert (
+            await store.promote_due(lanes=LANES, batch=2, now=due) == 0
+        )  # the hour-later one waits
         lane = (await store.status(now=due)).lanes[Lane.BATCH]
         assert (lane.counts[MessageStatus.PENDING], lane.deferred) == (6, 1)
         # The oldest pending age is of due work: the five, enqueued at T0; before they were
@@ -100,3 +103,20 @@ async def test_the_maintenance_tick_that_reclaims_also_promotes(bus: Bus, db: Da
     assert maintenance.promoted == 3
     taken = await bus.claim("w", limit=10)
     assert len(taken) == 3
+
+
+async def test_interactive_work_due_is_promoted_ahead_of_a_burst_of_batch_work(
+    bus: Bus, db: Database
+) -> None:
+    """3,000 batch messages come due first, one interactive message a second later: the first
+    promotion of 500 takes the interactive one (claim order), not only the oldest due."""
+    store = PgRunnerStore(db)
+    await enqueue(bus, "nightly", 3000, lane=Lane.BATCH, not_before=T0 + timedelta(minutes=1))
+    await enqueue(bus, "urgent", 1, not_before=T0 + timedelta(minutes=1, seconds=1))
+    now = T0 + timedelta(minutes=2)
+    assert await store.promote_due(lanes=LANES, batch=500, now=now) == 500
+    claim: dict[str, Any] = {"worker": "w", "limit": 10, "lease": timedelta(seconds=30),
+                             "tenant_limit": 10_000, "now": now}  # fmt: skip
+    taken = (await store.claim_lane(lane=Lane.INTERACTIVE, **claim)).messages
+    assert [m.source_id for m in taken] == ["urgent0"]
+    assert len((await store.claim_lane(lane=Lane.BATCH, **claim)).messages) == 10
