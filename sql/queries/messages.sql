@@ -236,10 +236,10 @@ WHERE message_id = %(id)s
 ORDER BY id;
 
 -- name: bus_status :many
--- Counts by lane and status (pending ones not due yet also counted apart), with the oldest pending age (of work that is due: not the work enqueued for later or backing off, which waits on purpose) and oldest running lease age per lane.
+-- Counts by lane and status (pending ones not due yet also counted apart), with the oldest pending age and oldest running lease age per lane. The pending age counts from when the work became due (enqueued, or its not_before reached): work enqueued for later or backing off waits on purpose.
 SELECT m.lane, m.status, count(*) AS n, count(*) FILTER (WHERE m.deferred) AS deferred,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now())
-               - min(m.created_at) FILTER (
+               - min(greatest(m.created_at, m.not_before)) FILTER (
                    WHERE m.status = 'pending'
                      AND m.not_before <= coalesce(%(now)s::timestamptz, now()))
        ) AS oldest_pending_s,
