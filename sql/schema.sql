@@ -1648,10 +1648,10 @@ CREATE INDEX agent_messages_finished_at_idx ON appliance.agent_messages USING bt
 CREATE INDEX agent_messages_held_budget_idx ON appliance.agent_messages USING btree (updated_at) WHERE (status = 'held_budget'::appliance.message_status);
 
 --
--- Name: agent_messages_lane_created_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+-- Name: agent_messages_lane_due_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX agent_messages_lane_created_at_idx ON appliance.agent_messages USING btree (lane, created_at) WHERE (status = 'pending'::appliance.message_status);
+CREATE INDEX agent_messages_lane_due_at_idx ON appliance.agent_messages USING btree (lane, GREATEST(created_at, not_before)) WHERE (status = 'pending'::appliance.message_status);
 
 --
 -- Name: agent_messages_lane_tier_tenant_priority_not_before_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner

@@ -125,13 +125,14 @@ WHERE m.id = victims.id
 RETURNING m.id;
 
 -- name: message_expire_queue_age :many
--- Expire pending messages of one lane that waited longer than the lane's maximum queue age (a bounded batch).
+-- Expire pending messages of one lane that have been due for longer than the lane's maximum queue age (since enqueued, or since their not_before: migration 0021), a bounded batch.
 WITH victims AS MATERIALIZED (
     SELECT id FROM agent_messages
     WHERE status = 'pending'
       AND lane = %(lane)s::lane
-      AND created_at < coalesce(%(now)s::timestamptz, now()) - %(max_age)s::interval
-    ORDER BY created_at
+      AND greatest(created_at, not_before)
+          < coalesce(%(now)s::timestamptz, now()) - %(max_age)s::interval
+    ORDER BY greatest(created_at, not_before)
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 )

@@ -278,6 +278,15 @@ async def test_expire_deadline_and_queue_age(store: PgMessageStore, tenants) -> 
     for mid, status in ((a.id, "expired"), (b.id, "expired"), (c.id, "pending")):
         got = await bus.get("acme", mid)
         assert got is not None and got.status == status
+    # The queue age counts from when work came due: scheduled two hours ahead, a message is
+    # not expired before it was ever due, and is once it has waited five minutes since.
+    later = T0 + timedelta(hours=2)
+    d = await bus.enqueue(now=T0, not_before=later, **vars_of(req(bus, "later")))
+    assert await bus.expire(now=later - timedelta(minutes=1)) == 0
+    assert await bus.expire(now=later + timedelta(minutes=4)) == 0
+    assert await bus.expire(now=later + timedelta(minutes=6)) == 1
+    got = await bus.get("acme", d.id)
+    assert got is not None and got.status == "expired"
 
 
 async def test_illegal_transition_refused_by_database(bus: Bus, db: Database) -> None:
