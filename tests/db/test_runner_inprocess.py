@@ -309,6 +309,7 @@ async def test_the_claim_path_reclaims_and_runs_stranded_work_without_a_doorbell
 
 async def fans_out(ctx: StageContext) -> StageResult:
     ctx.spawn("leaf", "only")
+    ctx.spawn("undeclared", "only")  # no stage declares its attempts: the bus setting does
     return ctx.finish()
 
 
@@ -316,26 +317,30 @@ FAN = [Pipeline("fan", (Stage("run", fans_out), Stage("leaf", quick, max_attempt
 
 
 async def test_spawned_work_is_enqueued_under_the_bus_settings(fresh_db: Endpoints) -> None:
-    """A spawned message's key is kept for the configured retention, not a fixed 90 days."""
+    """A spawned message's key is kept for the configured retention, not a fixed 90 days, and
+    one for a stage that declares no attempts gets the configured default, not a fixed 5."""
     async with opened(fresh_db, FAN) as store:
         bus = Bus(store)
         r = await bus.enqueue(**request(bus, "fan", "spawner"))
         config = RunnerConfig(
             worker_id="fan", poll_interval=timedelta(seconds=1),
-            idempotency_retention=timedelta(days=3),
+            idempotency_retention=timedelta(days=3), max_attempts=7,
         )  # fmt: skip
         async with serving(store, FAN, config, None):
             await wait_status(bus, r.id, MessageStatus.DONE)
         async with store.db.system_conn() as conn:
             leaf = await (
                 await conn.execute(
-                    "SELECT m.max_attempts, k.expires_at - k.created_at AS kept"
+                    "SELECT m.stage, m.max_attempts, k.expires_at - k.created_at AS kept"
                     " FROM agent_messages m JOIN idempotency_keys k ON k.message_id = m.id"
-                    " WHERE m.stage = 'leaf'"
+                    " WHERE m.stage <> 'run' ORDER BY m.stage"
                 )
             ).fetchall()
     # Spawned before the spawner's completion was recorded, so there once it is done.
-    assert leaf == [{"max_attempts": 2, "kept": timedelta(days=3)}]
+    assert leaf == [
+        {"stage": "leaf", "max_attempts": 2, "kept": timedelta(days=3)},
+        {"stage": "undeclared", "max_attempts": 7, "kept": timedelta(days=3)},
+    ]
 
 
 flaky_calls: dict[str, list[float]] = {}
