@@ -171,7 +171,7 @@ class Maintenance:
         await asyncio.sleep(0)  # AsyncIOScheduler shuts down on the loop's next pass
 
     async def reclaim(self) -> None:
-        """Reclaim expired leases, then promote deferred work that came due: one tick of the
+        """Promote deferred work that came due, then reclaim expired leases: one tick of the
         same job (a second job at the same interval ran at its own phase, and the runner's
         dispatch latency showed both)."""
         await self.promote()
@@ -193,13 +193,10 @@ class Maintenance:
 
     async def promote(self) -> None:
         """Deferred work that has come due goes back into the claim's index (and its lanes are
-        rung): full batches again, up to ten a round, so a retry storm drains in seconds."""
+        rung), in bounded batches like the archive, so a retry storm drains in seconds."""
         try:
-            for _ in range(10):
-                n = await self.bus.promote_due()
+            async for n in self._batches(self.bus.promote_due, self.bus.config.maintenance_batch):
                 self.promoted += n
-                if n < self.bus.config.maintenance_batch:
-                    break
         except Exception:
             log.exception("promoting due work failed")
 
@@ -226,14 +223,17 @@ class Maintenance:
         except Exception:
             log.exception("expire failed")
 
-    async def _batches(self, step: Callable[[], Awaitable[int]]) -> AsyncIterator[int]:
-        """Run `step` (one bounded batch, returning how many rows it handled) until a short
-        batch says it is done, at most ten times a round: a backlog drains over a few rounds,
-        never in one long lock. Yields each batch's count as it lands."""
+    async def _batches(
+        self, step: Callable[[], Awaitable[int]], full: int | None = None
+    ) -> AsyncIterator[int]:
+        """Run `step` (one bounded batch of `full` rows, archive_batch unless given, returning
+        how many rows it handled) until a short batch says it is done, at most ten times a
+        round: a backlog drains over a few rounds, never in one long lock. Yields each batch's
+        count as it lands."""
         for _ in range(10):
             done = await step()
             yield done
-            if done < self.archive_batch:
+            if done < (self.archive_batch if full is None else full):
                 return
 
     async def archive(self) -> None:
