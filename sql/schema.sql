@@ -59,7 +59,7 @@ ALTER TYPE appliance.message_status OWNER TO appliance_owner;
 
 CREATE FUNCTION appliance.agent_messages_log_insert() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     unknown text;
@@ -94,7 +94,7 @@ ALTER FUNCTION appliance.agent_messages_log_insert() OWNER TO appliance_owner;
 
 CREATE FUNCTION appliance.agent_messages_log_update() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     SET enable_nestloop TO 'off'
     AS $$
 DECLARE
@@ -237,7 +237,7 @@ ALTER FUNCTION appliance.agent_messages_log_update() OWNER TO appliance_owner;
 
 CREATE FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     month date;
@@ -325,7 +325,7 @@ ALTER FUNCTION appliance.current_tenant() OWNER TO appliance_owner;
 
 CREATE FUNCTION appliance.enqueue_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer DEFAULT 5, p_scope text DEFAULT NULL::text) RETURNS TABLE(ord integer, id bigint, new boolean)
     LANGUAGE plpgsql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     SET enable_nestloop TO 'on'
     AS $$
 BEGIN
@@ -426,7 +426,7 @@ ALTER FUNCTION appliance.idempotency_key(source text, source_id text, stage text
 
 CREATE FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone, p_batch integer) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     at timestamptz := coalesce(p_now, now());
@@ -471,7 +471,7 @@ ALTER FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time zone, 
 
 CREATE FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     before timestamptz := coalesce(p_now, now()) - p_idle;
@@ -517,7 +517,7 @@ ALTER FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idl
 
 CREATE FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth double precision) RETURNS text[]
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     t regclass;
@@ -555,7 +555,7 @@ ALTER FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth doub
 
 CREATE FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) RETURNS void
     LANGUAGE sql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
     UPDATE run_budgets r
     SET used = (SELECT jsonb_object_agg(k, greatest(0, coalesce((r.used ->> k)::numeric, 0)
@@ -572,7 +572,7 @@ ALTER FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_sourc
 
 CREATE FUNCTION appliance.run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone) RETURNS text
     LANGUAGE plpgsql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     at timestamptz := coalesce(p_now, now());
@@ -633,7 +633,7 @@ ALTER FUNCTION appliance.run_budget_reserve(p_tenant text, p_source text, p_sour
 
 CREATE FUNCTION appliance.spend_month(p_at timestamp with time zone) RETURNS date
     LANGUAGE sql STABLE
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
     SELECT date_trunc('month', p_at AT TIME ZONE (SELECT time_zone FROM spend_config))::date
 $$;
@@ -646,7 +646,7 @@ ALTER FUNCTION appliance.spend_month(p_at timestamp with time zone) OWNER TO app
 
 CREATE FUNCTION appliance.spend_platform_month(p_now timestamp with time zone) RETURNS numeric
     LANGUAGE plpgsql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     at timestamptz := coalesce(p_now, now());
@@ -677,7 +677,7 @@ ALTER FUNCTION appliance.spend_platform_month(p_now timestamp with time zone) OW
 
 CREATE FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp with time zone) RETURNS integer
     LANGUAGE plpgsql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     n integer := 0;
@@ -709,7 +709,7 @@ ALTER FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp wit
 
 CREATE FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) RETURNS TABLE(hold_id bigint, refusal text, month date, cap numeric, spent numeric, reserved numeric)
     LANGUAGE plpgsql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     cfg spend_config;
@@ -795,7 +795,7 @@ ALTER FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_a
 
 CREATE FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) RETURNS numeric
     LANGUAGE plpgsql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     at timestamptz := coalesce(p_now, now());
@@ -859,7 +859,7 @@ ALTER FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy 
 
 CREATE FUNCTION appliance.tenants_guard() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 BEGIN
     IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
@@ -882,7 +882,7 @@ ALTER FUNCTION appliance.tenants_guard() OWNER TO appliance_owner;
 
 CREATE FUNCTION appliance.tenants_runtime_row() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 BEGIN
     INSERT INTO tenant_runtime (tenant) SELECT n.name FROM new_rows n ON CONFLICT DO NOTHING;
@@ -899,7 +899,7 @@ ALTER FUNCTION appliance.tenants_runtime_row() OWNER TO appliance_owner;
 
 CREATE FUNCTION appliance.upkeep_window_done(p_name text, p_first bigint, p_pages bigint, p_done integer, p_batch integer, p_last bigint) RETURNS void
     LANGUAGE sql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
     UPDATE upkeep_cursors
     SET block = CASE WHEN p_done >= p_batch THEN p_last ELSE p_first + p_pages END
@@ -914,7 +914,7 @@ ALTER FUNCTION appliance.upkeep_window_done(p_name text, p_first bigint, p_pages
 
 CREATE FUNCTION appliance.upkeep_window_start(p_name text, p_table regclass) RETURNS bigint
     LANGUAGE sql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
     SELECT CASE WHEN c.block >= pg_relation_size(p_table) / current_setting('block_size')::bigint
                 THEN 0 ELSE c.block END
@@ -1439,6 +1439,8 @@ CREATE TABLE appliance.tenants (
     CONSTRAINT tenants_name_check CHECK ((name ~ '^[a-z0-9][a-z0-9_.-]{0,62}$'::text))
 );
 
+ALTER TABLE ONLY appliance.tenants FORCE ROW LEVEL SECURITY;
+
 ALTER TABLE appliance.tenants OWNER TO appliance_owner;
 
 --
@@ -1943,6 +1945,24 @@ CREATE POLICY spend_ledger_bus_machinery ON appliance.spend_ledger TO appliance_
 CREATE POLICY spend_ledger_tenant_isolation ON appliance.spend_ledger TO appliance_app USING ((tenant = appliance.current_tenant()));
 
 --
+-- Name: tenants; Type: ROW SECURITY; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE appliance.tenants ENABLE ROW LEVEL SECURITY;
+
+--
+-- Name: tenants tenants_bus_machinery; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY tenants_bus_machinery ON appliance.tenants TO appliance_owner, appliance_system USING (true) WITH CHECK (true);
+
+--
+-- Name: tenants tenants_tenant_isolation; Type: POLICY; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE POLICY tenants_tenant_isolation ON appliance.tenants FOR SELECT TO appliance_app USING ((name = appliance.current_tenant()));
+
+--
 -- Name: SCHEMA appliance; Type: ACL; Schema: -; Owner: appliance_owner
 --
 
@@ -2140,14 +2160,12 @@ GRANT SELECT ON TABLE appliance.runners TO appliance_app;
 -- Name: TABLE spend_alerts; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT ON TABLE appliance.spend_alerts TO appliance_app;
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_alerts TO appliance_system;
 
 --
 -- Name: TABLE spend_caps; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT ON TABLE appliance.spend_caps TO appliance_app;
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_caps TO appliance_system;
 
 --
@@ -2168,7 +2186,6 @@ GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_ledger TO appliance_system;
 -- Name: TABLE spend_months; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT ON TABLE appliance.spend_months TO appliance_app;
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_months TO appliance_system;
 
 --
@@ -2182,21 +2199,18 @@ GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE appliance.stage_routes TO appliance_s
 -- Name: TABLE tenant_released; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT ON TABLE appliance.tenant_released TO appliance_app;
 GRANT SELECT ON TABLE appliance.tenant_released TO appliance_system;
 
 --
 -- Name: TABLE tenant_runtime; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT ON TABLE appliance.tenant_runtime TO appliance_app;
 GRANT SELECT,UPDATE ON TABLE appliance.tenant_runtime TO appliance_system;
 
 --
 -- Name: TABLE tenant_running; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT ON TABLE appliance.tenant_running TO appliance_app;
 GRANT SELECT ON TABLE appliance.tenant_running TO appliance_system;
 
 --

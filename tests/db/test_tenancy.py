@@ -7,9 +7,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from appliance.bus.core import Bus
-from appliance.db.database import Database, Endpoints
+from appliance.db.database import RUNTIME_OPTIONS, Database, Endpoints
 from appliance.db.message_store import _enqueue_params
 from appliance.db.queries import q
 from appliance.domain.envelope import Lane
@@ -59,8 +60,8 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
         assert await bus.get("acme", mid) is None
         assert await bus.store.transitions("acme", mid) == []  # type: ignore[attr-defined]
         assert not await bus.cancel("acme", mid)
-    assert await bus.redrive("acme", theirs) == 0
-    assert await bus.redrive("acme") == 0
+    assert await bus.redrive("acme", theirs) == []
+    assert await bus.redrive("acme") == []
     # A tenant-scoped claim only ever leases the tenant's own work.
     got = await bus.claim("w", tenant="acme", limit=100, now=T0)
     assert {m.tenant for m in got} == {"acme"}
@@ -189,3 +190,99 @@ async def test_a_tenant_claim_reads_none_of_another_tenants_backlog(
     )  # fmt: skip
     assert sorted(m.source_id for m in got) == ["0", "1", "2"]
     assert read <= 20, read
+
+
+async def test_temporary_tables_cannot_stand_in_for_the_appliances_own(
+    bus: Bus, db: Database
+) -> None:
+    """A temporary table named like one the log trigger reads or writes is not used by it: the
+    life cycle's rules and the real transition log still apply (migration 0022)."""
+    ids = await _seed(bus)
+    mine = ids["acme"][0]
+    # A connection of its own: the temporary tables must not outlive the test in a pooled one.
+    async with await psycopg.AsyncConnection.connect(
+        db.endpoints.app, options=RUNTIME_OPTIONS, autocommit=True, row_factory=dict_row
+    ) as conn:
+        # Every move allowed, and a log that would swallow the forged one.
+        await conn.execute(
+            "CREATE TEMPORARY TABLE message_transitions (LIKE appliance.message_transitions)"
+        )
+        await conn.execute("ALTER TABLE message_transitions ALTER id DROP NOT NULL")
+        await conn.execute(
+            "CREATE TEMPORARY TABLE message_status_transitions AS"
+            " SELECT a AS from_status, b AS to_status"
+            " FROM unnest(enum_range(NULL::message_status)) a,"
+            " unnest(enum_range(NULL::message_status)) b"
+        )
+        await conn.execute(
+            "GRANT ALL ON message_transitions, message_status_transitions TO appliance_owner"
+        )
+        # Session-wide: this connection is the test's own.
+        await conn.execute("SELECT set_config('appliance.tenant', 'acme', false)")
+        await conn.execute(
+            "UPDATE appliance.agent_messages SET status = 'cancelled', finished_at = now(),"
+            " status_reason = 'by hand', status_actor = 'x' WHERE id = %s",
+            (mine,),
+        )
+        with pytest.raises(psycopg.errors.CheckViolation, match="cancelled -> done"):
+            await conn.execute(
+                "UPDATE appliance.agent_messages SET status = 'done',"
+                " status_reason = 'forged' WHERE id = %s",
+                (mine,),
+            )
+        shadow = await (
+            await conn.execute("SELECT count(*) AS n FROM pg_temp.message_transitions")
+        ).fetchone()
+        assert shadow is not None and shadow["n"] == 0
+    log = await bus.store.transitions("acme", mine)  # type: ignore[attr-defined]
+    assert [(t["from_status"], t["to_status"]) for t in log] == [
+        (None, "pending"),
+        ("pending", "cancelled"),
+    ]
+
+
+async def test_every_fixed_search_path_searches_temporary_tables_last(db: Database) -> None:
+    # Guards functions that later migrations define: one that fixes its search_path without
+    # pg_temp last would search the caller's temporary tables first.
+    async with db.system_conn() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT p.oid::regprocedure::text AS f, p.prosecdef,"
+                " (SELECT c FROM unnest(p.proconfig) c WHERE c LIKE 'search\\_path=%%') AS path"
+                " FROM pg_proc p WHERE p.pronamespace = 'appliance'::regnamespace"
+            )
+        ).fetchall()
+    assert rows
+    wrong = [
+        (r["f"], r["path"])
+        for r in rows
+        if (r["prosecdef"] and r["path"] is None)
+        or (r["path"] is not None and not r["path"].endswith("pg_temp"))
+    ]
+    assert wrong == []
+
+
+async def test_a_tenant_reads_no_other_tenants_counters_caps_or_name(
+    bus: Bus, db: Database
+) -> None:
+    await _seed(bus)
+    for table in (
+        "tenant_runtime",
+        "tenant_released",
+        "tenant_running",
+        "spend_caps",
+        "spend_months",
+        "spend_alerts",
+    ):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            async with db.tenant_tx("acme") as conn:
+                await conn.execute(f"SELECT * FROM {table}")
+    async with db.tenant_tx("acme") as conn:
+        names = await (await conn.execute("SELECT name FROM tenants")).fetchall()
+        assert [r["name"] for r in names] == ["acme"]
+    async with db.app_pool.connection() as conn:
+        assert await _count(conn, "tenants") == 0
+    # The machinery still sees them all.
+    async with db.system_conn() as conn:
+        assert await _count(conn, "tenants") == 2
+        assert await _count(conn, "tenant_runtime") == 2
