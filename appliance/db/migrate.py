@@ -46,6 +46,12 @@ def discover(directory: Path | None = None) -> list[Migration]:
     found: list[Migration] = []
     for path in sorted(folder.iterdir()):
         if path.suffix != ".sql":
+            if path.name[:1].isdigit():
+                # Numbered like a migration but not one (0022_x.SQL, 0022_x.sql.bak): refused
+                # rather than skipped, so that a migration is never silently left out.
+                raise MigrationError(
+                    f"{path.name}: migration files are named NNNN_lowercase_name.sql"
+                )
             continue
         match = _FILE.match(path.name)
         if not match:
@@ -130,6 +136,20 @@ def migrate(
                         f" table in use ({exc.diag.message_primary}) and was rolled back; applied"
                         f" by this run: {applied_now}. Stop the runners (or end the long"
                         " transaction holding the table) and migrate again"
+                    ) from None
+                except psycopg.Error as exc:
+                    applied_now = ", ".join(f"{v:04d}" for v in done) or "none"
+                    diag = exc.diag
+                    where = (
+                        f" (at character {diag.statement_position})"
+                        if diag.statement_position
+                        else ""
+                    )
+                    raise MigrationError(
+                        f"migration {migration.path.name} failed and was rolled back, nothing of"
+                        f" it applied: {diag.message_primary or exc}{where}"
+                        f"{'; ' + diag.context.strip() if diag.context else ''}; applied by"
+                        f" this run: {applied_now}"
                     ) from None
                 done.append(migration.version)
             return MigrateReport(applied=done, already=sorted(applied))
