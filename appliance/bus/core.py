@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from appliance.bus.group_commit import EnqueueGroupCommit
@@ -21,6 +21,7 @@ from appliance.domain.envelope import (
     LeaseRef,
     Message,
     lease_duration_ok,
+    parse_lane,
 )
 from appliance.domain.ports import (
     AckOutcome,
@@ -69,14 +70,22 @@ class Bus:
         )
 
     def request(self, **fields: Any) -> EnqueueRequest:
-        """Build and validate a request with this bus's defaults (max attempts, context limit)."""
+        """Build and validate a request with this bus's defaults (max attempts, context limit).
+
+        A deadline is checked against `now`, else against this machine's clock: a deadline
+        already past is refused here, not accepted and then expired unseen.
+        """
         fields.setdefault("context_max_bytes", self.config.context_max_bytes)
+        if fields.get("now") is None:
+            fields["now"] = datetime.now(UTC)
         return EnqueueRequest.build(**fields)
 
     async def enqueue(self, *, now: datetime | None = None, **fields: Any) -> EnqueueResult:
         """Enqueue one message (validated first); a duplicate key returns the existing id.
 
-        Durable when it returns. Concurrent calls share statements (group commit).
+        Durable when it returns. Concurrent calls share statements (group commit). Without
+        `now` the rows are stamped by the database clock, the one every lease and expiry
+        reads; this machine's clock only validates the request.
         """
         return await self._group.enqueue(self.request(now=now, **fields), now)
 
@@ -109,9 +118,9 @@ class Bus:
         """Lease up to `limit` messages, strict by lane."""
         return await self.store.claim(
             worker=worker,
-            lanes=lanes,
+            lanes=[parse_lane(lane) for lane in lanes],
             limit=limit,
-            lease=lease_duration_ok(lease or self.config.lease),
+            lease=lease_duration_ok(lease if lease is not None else self.config.lease),
             tenant=tenant,
             now=now,
         )
@@ -120,7 +129,9 @@ class Bus:
         self, lease: LeaseRef, *, extend: timedelta | None = None, now: datetime | None = None
     ) -> HeartbeatResult:
         """Extend a lease; the answer tells a worker whose lease was lost or cancelled to stop."""
-        return await self.store.heartbeat(lease, extend=extend or self.config.lease, now=now)
+        # `is None`, not `or`: a zero extension is an error to report, not the default.
+        extend = lease_duration_ok(extend if extend is not None else self.config.lease)
+        return await self.store.heartbeat(lease, extend=extend, now=now)
 
     async def complete(
         self,
@@ -189,7 +200,9 @@ class Bus:
         *,
         actor: str = "operator",
         now: datetime | None = None,
-    ) -> int:
+    ) -> list[int]:
+        """Dead messages back to pending with fresh attempts (all the tenant's dead ones when
+        no ids are given); the ids moved. A message that is not dead is left as it is."""
         return await self.store.redrive(tenant, message_ids, actor=actor, now=now)
 
     async def get(self, tenant: str, message_id: int) -> Message | None:

@@ -488,8 +488,8 @@ class PgMessageStore:
         *,
         actor: str = "operator",
         now: datetime | None = None,
-    ) -> int:
-        """Dead messages of a tenant back to pending with fresh attempts; how many moved."""
+    ) -> list[int]:
+        """Dead messages of a tenant back to pending with fresh attempts; the ids moved."""
         params = {
             "ids": list(message_ids) if message_ids is not None else None,
             "actor": actor,
@@ -497,7 +497,7 @@ class PgMessageStore:
         }
         async with self.db.tenant_tx(tenant) as conn:
             rows = await (await conn.execute(q("message_redrive"), params)).fetchall()
-        return len(rows)
+        return sorted(r["id"] for r in rows)
 
     async def get(self, tenant: str, message_id: int) -> Message | None:
         """One message as the tenant sees it (None when absent or another tenant's)."""

@@ -19,6 +19,8 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 KEY_MAX_CHARS = 512
 SOURCE_ID_MAX_CHARS = 512
 DIRECTIVE_MAX_CHARS = 64 * 1024
+# The column is a 32-bit integer; a runner stops a chain far sooner (RunnerConfig.max_hops).
+HOPS_MAX = 2**31 - 1
 
 
 class Lane(StrEnum):
@@ -130,6 +132,8 @@ def encode_json(value: JSONValue, field_name: str) -> str:
         text = COMPACT_JSON.encode(value)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(field_name, f"is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise InvalidInput(field_name, "is nested too deeply to encode as JSON") from None
     if "\\u0000" in text and _ESCAPED_NUL.search(text):
         # PostgreSQL jsonb cannot hold NUL characters; say so here rather than fail at insert.
         raise InvalidInput(
@@ -165,6 +169,15 @@ def _check_unicode(field_name: str, text: str) -> None:
         ) from None
 
 
+def _check_int(field_name: str, value: object, low: int, high: int) -> None:
+    """A whole number within low..high; a float, a numeric string or a bool is refused here
+    rather than by the database's type check, with the field named."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(field_name, f"must be a whole number, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidInput(field_name, f"{value} is outside {low}..{high}")
+
+
 def encode_context(context: JSONValue, max_bytes: int) -> str:
     """The context as compact JSON text, refusing what is not JSON or is over the size limit."""
     text = encode_json(context, "context")
@@ -174,16 +187,30 @@ def encode_context(context: JSONValue, max_bytes: int) -> str:
     return text
 
 
-def decode_context(text: str, max_bytes: int) -> JSONValue:
-    """Context given as JSON text (CLI, API): parsed, or an error naming the field."""
-    if len(text.encode()) > max_bytes:
-        raise InvalidInput(
-            "context", f"is {len(text.encode())} bytes, over the limit of {max_bytes} bytes"
-        )
+def decode_context(text: str | bytes, max_bytes: int) -> JSONValue:
+    """Context given as JSON text or UTF-8 bytes (CLI, API): parsed, or an error naming the
+    field. Every way the text can be unreadable is that error, never a traceback."""
+    size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise InvalidInput("context", f"is {size} bytes, over the limit of {max_bytes} bytes")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(
+                "context", f"is not UTF-8 text (byte {exc.start}: {exc.reason})"
+            ) from None
+    if not text.isascii():
+        _check_unicode("context", text)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidInput("context", f"is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("context", "is nested too deeply to parse as JSON") from None
+    except ValueError as exc:
+        # The parser's own limits, for example an integer of more than 4,300 digits.
+        raise InvalidInput("context", f"is not usable JSON: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -248,12 +275,10 @@ class EnqueueRequest:
             )
         if key is not None and not (0 < len(key) <= KEY_MAX_CHARS):
             raise InvalidInput("idempotency_key", f"must be 1-{KEY_MAX_CHARS} characters")
-        if not -1000 <= priority <= 1000:
-            raise InvalidInput("priority", f"{priority} is outside -1000..1000")
-        if hops < 0:
-            raise InvalidInput("hops", "cannot be negative")
-        if max_attempts is not None and not 1 <= max_attempts <= 100:
-            raise InvalidInput("max_attempts", f"{max_attempts} is outside 1..100")
+        _check_int("priority", priority, -1000, 1000)
+        _check_int("hops", hops, 0, HOPS_MAX)
+        if max_attempts is not None:
+            _check_int("max_attempts", max_attempts, 1, 100)
         for name, agent in (("from_agent", from_agent), ("to_agent", to_agent)):
             if agent is not None and not (0 < len(agent) <= 200):
                 raise InvalidInput(name, "must be 1-200 characters")

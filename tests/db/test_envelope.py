@@ -234,6 +234,35 @@ async def test_heartbeat_extends_and_reports_cancel(bus: Bus) -> None:
     assert not await bus.cancel("acme", m.id)
 
 
+async def test_lease_lengths_and_lanes_are_checked_before_the_database(bus: Bus) -> None:
+    await bus.enqueue(now=T0, **vars_of(req(bus, "lease")))
+    (m,) = await bus.claim("w", now=T0)
+    # A zero or negative extension was taken as "the default" or written as a lease already
+    # expired, which the reclaimer would take from a live worker.
+    for extend in (timedelta(0), timedelta(seconds=-5)):
+        with pytest.raises(InvalidInput, match=r"lease: .* is outside 1 s \.\. 1 day"):
+            await bus.heartbeat(m.lease, extend=extend, now=T0)
+    with pytest.raises(InvalidInput, match="lease: "):
+        await bus.claim("w", lease=timedelta(0), now=T0)
+    with pytest.raises(InvalidInput, match="unknown lane 'bogus'"):
+        await bus.claim("w", lanes=["bogus"], now=T0)  # type: ignore[list-item]
+    held = await bus.get("acme", m.id)
+    assert held is not None and held.lease_expires_at == m.lease_expires_at
+
+
+async def test_a_deadline_already_past_is_refused_without_an_injected_now(bus: Bus) -> None:
+    # The production call passes no `now`: the deadline is checked against this machine's
+    # clock (it was accepted, then expired unseen), and the row is stamped by the database's.
+    past = datetime.now(UTC) - timedelta(hours=1)
+    fields = vars_of(req(bus, "late"))
+    with pytest.raises(InvalidInput, match=r"deadline: .* is not in the future"):
+        await bus.enqueue(deadline=past, **fields)
+    with pytest.raises(InvalidInput, match=r"deadline: .* is not in the future"):
+        bus.request(deadline=past, **fields)
+    result = await bus.enqueue(deadline=datetime.now(UTC) + timedelta(hours=1), **fields)
+    assert result.new
+
+
 async def test_retry_backoff_then_dead_then_redrive(store: PgMessageStore, tenants) -> None:
     await tenants.add("acme")
     bus = Bus(store, BusConfig(max_attempts=3, retry=RetryPolicy(base=timedelta(seconds=10))))
@@ -258,7 +287,7 @@ async def test_retry_backoff_then_dead_then_redrive(store: PgMessageStore, tenan
     assert await bus.fail(m, "boom 3", now=at) is FailOutcome.DEAD
     dead = await bus.get("acme", m.id)
     assert dead is not None and dead.status is MessageStatus.DEAD and dead.error == "boom 3"
-    assert await bus.redrive("acme", now=at) == 1
+    assert await bus.redrive("acme", now=at) == [m.id]
     (m,) = await bus.claim("w", now=at)
     assert m.attempts == 1
 

@@ -382,7 +382,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
         ]
         ids = None if target_id is None else [target_id]
         moved = self.run(self.bus.redrive(TENANT, ids, now=self.now))
-        assert moved == len(dead)
+        assert moved == sorted(m.id for m in dead)
         for m in dead:
             m.reset_by_redrive += m.attempts
             m.attempts = 0

@@ -17,6 +17,7 @@ from appliance.domain.envelope import (
     EnqueueRequest,
     Lane,
     MessageStatus,
+    decode_context,
     encode_json,
     idempotency_key,
     parse_lane,
@@ -62,6 +63,13 @@ def test_lane_defaults_to_the_stage_and_unknown_lane_is_named() -> None:
         parse_lane("fast")
 
 
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(
     ("kw", "field", "needle"),
     [
@@ -83,6 +91,13 @@ def test_lane_defaults_to_the_stage_and_unknown_lane_is_named() -> None:
         ({"source_id": ""}, "source_id", "1-512"),
         ({"pipeline": "Has Spaces"}, "pipeline", "not a valid name"),
         ({"max_attempts": 0}, "max_attempts", "outside 1..100"),
+        # Types the database would refuse with its own error, named here instead.
+        ({"priority": 1.5}, "priority", "whole number"),
+        ({"priority": "5"}, "priority", "whole number"),
+        ({"priority": True}, "priority", "whole number"),
+        ({"max_attempts": 2.0}, "max_attempts", "whole number"),
+        ({"hops": 2**31}, "hops", "outside 0..2147483647"),
+        ({"context": _nested(5000)}, "context", "nested too deeply"),
         ({"deadline": datetime(2030, 1, 1)}, "deadline", "time zone"),
         (
             {
@@ -99,6 +114,27 @@ def test_bad_input_names_field_and_limit(kw: dict[str, object], field: str, need
         build(**kw)
     assert info.value.field == field
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (b"\xff\xfe{}", "not UTF-8 text (byte 0"),
+        ('"\udcff"', "lone surrogate"),  # a non-UTF-8 command-line byte, as Python passes it
+        ("1" * 5000, "not usable JSON"),  # over the parser's 4,300-digit integer limit
+        ("[" * 5000 + "]" * 5000, "nested too deeply"),
+        ("{not json", "not valid JSON"),
+        ("é" * 600, "1200 bytes, over the limit of 1000 bytes"),  # bytes, not characters
+    ],
+)
+def test_context_text_that_cannot_be_read_is_named_never_a_traceback(
+    text: str | bytes, needle: str
+) -> None:
+    with pytest.raises(InvalidInput) as info:
+        decode_context(text, 1000 if needle.endswith("1000 bytes") else 1 << 20)
+    assert info.value.field == "context"
+    assert needle in str(info.value)
+    assert decode_context('{"a": [1, "é"]}'.encode(), 1000) == {"a": [1, "é"]}
 
 
 def test_deadline_in_the_past_is_refused_relative_to_now() -> None:
