@@ -16,16 +16,24 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from appliance import cli_models, cli_spend
-from appliance.db.database import client_argv
+from appliance.db.database import DATABASE_ERRORS, check_server, client_command, error_text
 from appliance.db.migrate import migrate
 from appliance.db.schema_dump import dump_schema
 from appliance.domain.envelope import WAITING, Lane, MessageStatus, decode_context
-from appliance.domain.errors import ApplianceError, InvalidInput
+from appliance.domain.errors import (
+    ApplianceError,
+    ConfigurationError,
+    DatabaseUnavailable,
+    InvalidInput,
+    UnknownTenant,
+)
 from appliance.domain.ports import BusStatus
 from appliance.pipelines.support import SAMPLE_TICKETS
 from appliance.runtime import endpoints, local_cluster, pg_tool, run_runner, services
-from appliance.settings import Settings
+from appliance.settings import Settings, settings_error_text
 
 
 def _parse_time(field: str, text: str | None) -> datetime | None:
@@ -46,9 +54,15 @@ def _read_context(text: str | None, max_bytes: int) -> Any:
     if text.startswith("@"):
         path = Path(text[1:])
         try:
-            text = path.read_text()
+            # At most one byte over the limit: a huge file (or /dev/zero) is refused by its
+            # size without being read whole into memory.
+            with path.open("rb") as f:
+                data = f.read(max_bytes + 1)
         except OSError as exc:
             raise InvalidInput("context", f"cannot read {path}: {exc.strerror}") from None
+        if len(data) > max_bytes:
+            raise InvalidInput("context", f"{path} is over the limit of {max_bytes} bytes")
+        return decode_context(data, max_bytes)
     return decode_context(text, max_bytes)
 
 
@@ -74,14 +88,23 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
     if action == "psql":
         ends = endpoints(settings)
         conninfo = {"admin": ends.admin, "app": ends.app, "system": ends.system}[args.role]
-        argv = client_argv(pg_tool(settings, "psql"), conninfo)
-        env = dict(os.environ, PGOPTIONS="-c search_path=appliance,pg_catalog")
+        argv, client_env = client_command(pg_tool(settings, "psql"), conninfo)
+        env = dict(os.environ, PGOPTIONS="-c search_path=appliance,pg_catalog", **client_env)
         extra = list(args.psql_args)
         if extra[:1] == ["--"]:
             extra = extra[1:]
         os.execvpe(argv[0], argv + extra, env)
     if cluster is None:
-        print("database: external server (APPLIANCE_DATABASE_URL); the appliance manages nothing")
+        # Nothing to start or stop, but say whether the server named is there at all.
+        try:
+            version = check_server(endpoints(settings).admin)
+        except DatabaseUnavailable as exc:
+            print(f"database: external server (APPLIANCE_DATABASE_URL): {exc}", file=sys.stderr)
+            return 3 if action == "status" else 2
+        print(
+            f"database: external server (APPLIANCE_DATABASE_URL), PostgreSQL {version},"
+            " reachable; the appliance manages nothing"
+        )
         return 0
     if action == "start":
         cluster.start()
@@ -136,7 +159,6 @@ async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
             key=args.key,
             from_agent=args.from_agent,
             to_agent=args.to_agent,
-            now=datetime.now().astimezone(),
         )
     print(f"{result.id} {'new' if result.new else 'duplicate'}")
     return 0
@@ -289,9 +311,24 @@ async def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 
 async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
     async with services(settings) as svc:
+        tenant = getattr(args, "tenant", None)
+        if tenant is not None and not await svc.tenants.exists(tenant):
+            # Otherwise row-level security shows an unknown tenant nothing, indistinguishable
+            # from "nothing to do".
+            raise UnknownTenant(tenant)
         if args.bus_action == "redrive":
             moved = await svc.bus.redrive(args.tenant, args.ids or None)
-            print(f"redriven: {moved}")
+            print(f"redriven: {len(moved)}" + (f" ({', '.join(map(str, moved))})" if moved else ""))
+            left = [i for i in dict.fromkeys(args.ids) if i not in set(moved)]
+            for message_id in left:
+                message = await svc.bus.get(args.tenant, message_id)
+                why = (
+                    f"not found for tenant {args.tenant}"
+                    if message is None
+                    else f"is {message.status.value}, not dead"
+                )
+                print(f"message {message_id} not redriven: {why}", file=sys.stderr)
+            return 1 if left else 0
         elif args.bus_action == "cancel":
             ok = await svc.bus.cancel(args.tenant, args.id, reason=args.reason)
             print("cancelled" if ok else "not cancelled (absent, another tenant's, or finished)")
@@ -507,7 +544,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The scheduler logs every job run at INFO; its failures still show at WARNING.
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     try:
-        settings = Settings()
+        try:
+            settings = Settings()
+        except ValidationError as exc:
+            raise ConfigurationError(settings_error_text(exc)) from None
         if args.command == "db":
             return cmd_db(settings, args)
         if args.command == "models":
@@ -522,9 +562,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cap": cli_spend.cmd_cap,
             "energy": cli_spend.cmd_energy,
         }[args.command]
+        if args.command != "runner":
+            # One quick connection first: a command finds a stopped or misnamed database in
+            # a moment, not after the pool's 30 s of retries (a runner does wait for it).
+            try:
+                check_server(endpoints(settings).system)
+            except DatabaseUnavailable as exc:
+                raise DatabaseUnavailable(
+                    f"{exc} (the local one: appliance db start && appliance db migrate)"
+                ) from None
         return asyncio.run(handler(settings, args))
     except ApplianceError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except DATABASE_ERRORS as exc:
+        # The server went away, refused a statement or was never there: one line, no trace.
+        print(f"error: database: {error_text(exc)}", file=sys.stderr)
         return 2
 
 

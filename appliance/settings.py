@@ -7,7 +7,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from appliance.domain.envelope import DEFAULT_CONTEXT_MAX_BYTES, Lane
@@ -217,3 +217,19 @@ class Settings(BaseSettings):
             self.db.url = self.database_url
         if self.pg_bindir:
             self.db.pg_bindir = self.pg_bindir
+
+
+def settings_error_text(exc: ValidationError) -> str:
+    """A refused setting as one line naming the setting, the environment variable that sets it
+    and the rule it broke (instead of pydantic's multi-line report)."""
+    parts = []
+    for error in exc.errors():
+        path = [str(p) for p in error["loc"]]
+        name = ".".join(path)
+        variable = (
+            path[0] if path[0].startswith("APPLIANCE_") else "APPLIANCE_" + "__".join(path).upper()
+        )
+        parts.append(
+            f"{name} (environment variable {variable}): {error['msg']}, got {error.get('input')!r}"
+        )
+    return "settings: " + "; ".join(parts)

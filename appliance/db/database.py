@@ -61,14 +61,38 @@ class Endpoints:
         )
 
 
-def client_argv(program: str, conninfo: str) -> list[str]:
-    """argv for a libpq client program (psql, pg_dump) connecting like `conninfo`."""
-    params = conninfo_to_dict(conninfo)
-    argv = [program]
-    for key, flag in (("host", "-h"), ("port", "-p"), ("user", "-U"), ("dbname", "-d")):
-        if params.get(key):
-            argv += [flag, str(params[key])]
-    return argv
+def client_command(program: str, conninfo: str) -> tuple[list[str], dict[str, str]]:
+    """argv and extra environment for a libpq client program (psql, pg_dump) connecting like
+    `conninfo`: every parameter (sslmode, options, ...) goes in its --dbname connection string,
+    except the password, which goes in the environment rather than on a visible command line."""
+    params = {k: str(v) for k, v in conninfo_to_dict(conninfo).items() if v is not None}
+    password = params.pop("password", None)
+    env = {"PGPASSWORD": password} if password else {}
+    return [program, "--dbname", make_conninfo("", **params)], env
+
+
+def check_server(conninfo: str, timeout_s: int = 5) -> str:
+    """Connect once and return the server's version: a reachable, correctly named server, or
+    DatabaseUnavailable saying why not (for the commands that manage no cluster)."""
+    try:
+        with psycopg.connect(conninfo, connect_timeout=timeout_s) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(f"cannot connect to the database: {error_text(exc)}") from None
+    return str(row[0]) if row else "unknown"
+
+
+# What a command may meet when the database is down, misnamed or refuses a statement: the CLI
+# prints error_text(exc) on one line instead of a driver traceback.
+DATABASE_ERRORS: tuple[type[Exception], ...] = (psycopg.Error,)
+
+
+def error_text(exc: BaseException) -> str:
+    """One line: PostgreSQL's or libpq's own message, without the driver's decoration."""
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None)
+    text = primary or str(exc) or type(exc).__name__
+    return " ".join(text.split())
 
 
 async def _configure(conn: Conn) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
-from psycopg.conninfo import conninfo_to_dict
-
+from appliance.db.database import client_command
 from appliance.domain.errors import ClusterError
 
 HEADER = (
@@ -17,13 +17,11 @@ HEADER = (
 
 def dump_schema(pg_dump: Path, conninfo: str) -> str:
     """The appliance schema as DDL, with version banners and per-run keys removed."""
-    params = conninfo_to_dict(conninfo)
-    argv = [str(pg_dump), "--schema-only", "--schema=appliance", "--no-tablespaces"]
-    for key, flag in (("host", "--host"), ("port", "--port"), ("user", "--username")):
-        if params.get(key):
-            argv += [flag, str(params[key])]
-    argv.append(str(params.get("dbname", "appliance")))
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    argv, env = client_command(str(pg_dump), conninfo)
+    argv += ["--schema-only", "--schema=appliance", "--no-tablespaces"]
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, check=False, env={**os.environ, **env}
+    )
     if proc.returncode != 0:
         raise ClusterError(f"pg_dump failed: {proc.stderr.strip()}")
     return normalise(proc.stdout)

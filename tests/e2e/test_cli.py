@@ -62,6 +62,9 @@ def test_submit_twice_prints_same_id_new_then_duplicate(env: dict[str, str]) -> 
         (["--lane", "urgent"], "lane: unknown lane 'urgent'"),
         (["--context", "{not json"], "context: is not valid JSON"),
         (["--context", "@/nonexistent/file.json"], "context: cannot read"),
+        # Read no further than one byte past the limit: not a MemoryError after reading it all.
+        (["--context", "@/dev/zero"], "context: /dev/zero is over the limit of 1048576 bytes"),
+        (["--context", '"\udcff"'], "context: contains a lone surrogate"),
         (["--deadline", "tomorrow"], "deadline: 'tomorrow' is not an ISO 8601 time"),
         (["--deadline", "2020-01-01T00:00:00Z"], "deadline: 2020-01-01T00:00:00+00:00 is not in"),
         (["--tenant", "nobody"], "tenant: unknown tenant 'nobody'"),
@@ -128,3 +131,57 @@ def test_local_cluster_lifecycle_from_the_cli(state_dir: Path) -> None:
     finally:
         run(env, "db", "stop", check=False)
     assert run(env, "db", "status", check=False).returncode == 3
+
+
+def test_context_file_that_is_not_utf8_is_named(env: dict[str, str], tmp_path: Path) -> None:
+    run(env, "tenant", "add", "acme")
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes(b'{"name": "caf\xe9"}')
+    proc = run(
+        env, "submit", "--tenant", "acme", "--pipeline", "p", "--stage", "s", "--source", "c",
+        "--source-id", "1", "--directive", "d", "--context", f"@{bad}", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "context: is not UTF-8 text (byte 13" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_operator_commands_say_what_they_did_not_do(env: dict[str, str]) -> None:
+    run(env, "tenant", "add", "acme")
+    out = run(
+        env, "submit", "--tenant", "acme", "--pipeline", "p", "--stage", "s", "--source", "c",
+        "--source-id", "1", "--directive", "d",
+    ).stdout  # fmt: skip
+    pending = out.split()[0]
+    # An unknown tenant is an error, not "nothing to do".
+    for args in (["redrive"], ["cancel", pending], ["show", pending]):
+        proc = run(env, "bus", args[0], "--tenant", "ghost", *args[1:], check=False)
+        assert proc.returncode == 2, args
+        assert "tenant: unknown tenant 'ghost'" in proc.stderr
+    proc = run(env, "bus", "redrive", "--tenant", "acme", pending, "99999", check=False)
+    assert proc.returncode == 1
+    assert proc.stdout.strip() == "redriven: 0"
+    assert f"message {pending} not redriven: is pending, not dead" in proc.stderr
+    assert "message 99999 not redriven: not found for tenant acme" in proc.stderr
+    assert run(env, "bus", "redrive", "--tenant", "acme").stdout.strip() == "redriven: 0"
+
+
+def test_an_unreachable_or_misnamed_database_is_one_line_not_a_trace(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    gone = {**env, "APPLIANCE_DATABASE_URL": f"postgresql:///appliance?host={tmp_path}"}
+    for args in (["db", "migrate"], ["status"], ["tenant", "list"], ["db", "status"]):
+        proc = run(gone, *args, check=False)
+        assert proc.returncode in (2, 3), args
+        assert "cannot connect to the database" in proc.stderr or "error: database:" in (
+            proc.stderr
+        ), args
+        assert "Traceback" not in proc.stderr, args
+    garbled = {**env, "APPLIANCE_DATABASE_URL": "not a url"}
+    proc = run(garbled, "db", "migrate", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: database: missing")
+    proc = run({**env, "APPLIANCE_DB__PORT": "abc"}, "status", check=False)
+    assert proc.returncode == 2
+    assert "db.port (environment variable APPLIANCE_DB__PORT)" in proc.stderr
+    assert "Traceback" not in proc.stderr
