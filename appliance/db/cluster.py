@@ -14,6 +14,7 @@ fallback under ``/var/tmp`` and linked from the state directory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import hashlib
 import json
@@ -27,7 +28,7 @@ import stat
 import subprocess
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -63,6 +64,12 @@ _DB_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _CONF_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _INCLUDE_LINE = "include_if_exists = 'appliance.conf'"
 _LOG_TAIL_LINES = 20
+# Characters a state directory's path may not hold (see LocalCluster.__init__).
+_UNSAFE_PATH_CHARS = ',"$`\\\n'
+# Held (flock) while a command creates, starts or stops the cluster: two `appliance db start`
+# at once would otherwise race initdb's scratch folder and the pid file.
+_LOCK_FILE = ".cluster.lock"
+_LOCK_WAIT_S = 120.0
 
 
 def find_bindir(override: str | Path | None = None) -> Path:
@@ -256,6 +263,14 @@ class LocalCluster:
                     "digits and underscores (an optional `prefix.` for extension settings)"
                 )
         self.state_dir = Path(state_dir).absolute()
+        bad = sorted(set(_UNSAFE_PATH_CHARS) & set(str(self.state_dir.resolve())))
+        if bad:
+            raise ClusterError(
+                f"state directory {self.state_dir} contains {', '.join(map(repr, bad))}, which"
+                " PostgreSQL's tools cannot take in a path (libpq reads ',' in a socket folder"
+                " as a list of hosts; pg_ctl passes paths through a shell): use another state"
+                " directory"
+            )
         self.port = port
         self.listen_addresses = listen_addresses
         self.extra_conf: dict[str, str] = dict(extra_conf or {})
@@ -263,6 +278,7 @@ class LocalCluster:
         self._bindir: Path | None = None
         self._version: str | None = None
         self._user = _server_user()
+        self._lock_depth = 0
 
         resolved = self.state_dir.resolve()
         digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
@@ -434,7 +450,82 @@ class LocalCluster:
 
     def initialized(self) -> bool:
         """Whether the appliance has created this cluster (the marker is in the data dir)."""
-        return (self.data_dir / MARKER).is_file()
+        try:
+            return (self.data_dir / MARKER).is_file()
+        except OSError as exc:
+            raise ClusterError(
+                f"cannot inspect {self.data_dir}: {exc.strerror} (it belongs to another OS user:"
+                f" {_describe_owner(self.state_dir / 'pg')}); run the appliance as that user"
+            ) from None
+
+    def _check_owner(self) -> None:
+        """Refuse a cluster that another OS user's server owns, before touching anything: run
+        as root against a user's cluster, the server would run as `postgres` and could neither
+        read its files nor stop it, and the folders and config written on the way would keep
+        the real owner from starting it again."""
+        data = self.state_dir / "pg" / "data"
+        try:
+            st = data.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            raise ClusterError(
+                f"cannot inspect {data}: {exc.strerror}; the cluster belongs to another OS user"
+                f" ({_describe_owner(self.state_dir / 'pg')}): run the appliance as that user"
+            ) from None
+        # A folder the appliance did not create is refused as foreign (_refuse_foreign) instead.
+        if st.st_uid != self._user.uid and os.path.lexists(data / MARKER):
+            try:
+                owner = pwd.getpwuid(st.st_uid).pw_name
+            except KeyError:
+                owner = str(st.st_uid)
+            raise ClusterError(
+                f"the cluster in {data} belongs to OS user {owner} (uid {st.st_uid}), but this"
+                f" process would run PostgreSQL as {self._user.name} (uid {self._user.uid}):"
+                f" run the appliance as {owner}, or use another state directory"
+            )
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Exclusive use of this cluster by one command (creating, starting or stopping it);
+        re-entrant within the process. Waits up to _LOCK_WAIT_S for another command."""
+        if self._lock_depth:
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+            return
+        path = self.state_dir / _LOCK_FILE
+        try:
+            _mkdirs(self.state_dir)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            # A state directory this user cannot write: nothing here can be changed anyway,
+            # and the steps below say so in their own words.
+            log.debug("no lock on %s (%s): going on without it", path, exc)
+            fd = -1
+        try:
+            if fd >= 0:
+                deadline = time.monotonic() + _LOCK_WAIT_S
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise ClusterError(
+                                f"another appliance command has been creating, starting or"
+                                f" stopping the cluster in {self.state_dir} for over"
+                                f" {_LOCK_WAIT_S:.0f} s (it holds {path}); wait for it or end it"
+                            ) from None
+                        time.sleep(0.1)
+            self._lock_depth = 1
+            yield
+        finally:
+            self._lock_depth = 0
+            if fd >= 0:
+                os.close(fd)  # releases the lock
 
     def _refuse_foreign(self) -> None:
         if self.initialized() or not os.path.lexists(self.data_dir):
@@ -453,6 +544,11 @@ class LocalCluster:
 
     def init(self) -> bool:
         """Create the cluster with initdb unless it exists; True if it was created now."""
+        self._check_owner()
+        with self._locked():
+            return self._init()
+
+    def _init(self) -> bool:
         self._refuse_foreign()
         if self.initialized():
             return False
@@ -631,7 +727,8 @@ class LocalCluster:
         except OSError as exc:
             raise ClusterError(f"cannot remove stale {pidfile}: {exc}") from exc
         log.warning(
-            "recovered from a stale postmaster.pid (pid %s is gone: crash or kill): removed %s",
+            "recovered from a stale postmaster.pid (pid %s is no postmaster of this data"
+            " directory any more: a crash or a kill): removed %s",
             lines[0].strip(),
             ", ".join(str(p) for p in removed),
         )
@@ -640,6 +737,11 @@ class LocalCluster:
 
     def start(self, timeout: float = 60.0) -> None:
         """Start the cluster (creating it first if needed) and wait until it takes connections."""
+        self._check_owner()
+        with self._locked():
+            self._start(timeout)
+
+    def _start(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self.init()
         pid = self._live_pid()
@@ -676,7 +778,13 @@ class LocalCluster:
                 f"{(result.stderr or result.stdout).strip()[-500:]}); "
                 f"last lines of {self.log_file}:\n{self._log_tail()}"
             )
-        self._wait_ready(deadline)
+        try:
+            self._wait_ready(deadline)
+        except ClusterError:
+            # Started but unreachable: not left running where no client can find it.
+            with contextlib.suppress(ClusterError):
+                self.stop()
+            raise
         log.info("PostgreSQL started (data %s, socket %s)", self.data_dir, self.socket_dir)
 
     def _check_running_matches(self) -> None:
@@ -714,6 +822,11 @@ class LocalCluster:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the cluster: fast shutdown, then immediate if that takes longer than timeout."""
+        self._check_owner()
+        with self._locked():
+            self._stop(timeout)
+
+    def _stop(self, timeout: float) -> None:
         self._refuse_foreign()
         if self._live_pid() is None:
             return
@@ -751,6 +864,11 @@ class LocalCluster:
     def crash_restart(self, timeout: float = 60.0) -> None:
         """Restart with an immediate shutdown (no checkpoint: the server recovers from WAL on
         start, as after a crash). For failure drills and tests; clients are disconnected."""
+        self._check_owner()
+        with self._locked():
+            self._crash_restart(timeout)
+
+    def _crash_restart(self, timeout: float) -> None:
         self._refuse_foreign()
         self._run(
             [self._bin("pg_ctl"), "-D", self.data_dir, "-m", "immediate", "-w", "stop"],
@@ -770,6 +888,7 @@ class LocalCluster:
 
     def status(self) -> ClusterStatus:
         """Report whether the cluster exists and runs; reads files only, never starts anything."""
+        self._check_owner()
         pid = self._live_pid()
         return ClusterStatus(
             running=pid is not None,

@@ -6,10 +6,12 @@ import hashlib
 import logging
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -312,3 +314,56 @@ def test_psql_argv_reaches_cluster(cluster: LocalCluster) -> None:
         timeout=30,
     )
     assert out.stdout.strip() == "42"
+
+
+def test_two_starts_at_once_both_succeed_on_one_cluster(reachable_dir: Path) -> None:
+    # Separate instances, as two `appliance db start` processes have: without the lock, one
+    # failed on initdb's scratch folder or on the other's half-written pid file.
+    state = reachable_dir / "state"
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            _fast_cluster(state).start()
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert errors == []
+        assert _query(_fast_cluster(state), "SELECT 1") == 1
+    finally:
+        _fast_cluster(state).stop()
+
+
+@pytest.mark.parametrize("char", [",", '"', "$"])
+def test_a_state_dir_postgres_tools_cannot_take_is_refused_up_front(
+    reachable_dir: Path, char: str
+) -> None:
+    state = reachable_dir / f"odd{char}name" / "state"
+    with pytest.raises(ClusterError, match=re.escape(f"contains {char!r}")):
+        _fast_cluster(state)
+    assert not state.exists()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to make a cluster another user owns")
+def test_another_os_users_cluster_is_refused_untouched(reachable_dir: Path) -> None:
+    # As root, the server runs as `postgres`: a cluster another user created (and runs) is
+    # theirs; starting, stopping or reading it would break it for them.
+    state = reachable_dir / "state"
+    data = state / "pg" / "data"
+    data.mkdir(parents=True)
+    (data / MARKER).write_text("{}\n")
+    nobody = pwd.getpwnam("nobody")
+    for path in (state, state / "pg", data, data / MARKER):
+        os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    before = sorted(str(p.relative_to(state)) for p in state.rglob("*"))
+    c = _fast_cluster(state)
+    for action in (c.start, c.stop, c.status, c.init):
+        with pytest.raises(ClusterError, match="belongs to OS user nobody"):
+            action()
+    assert sorted(str(p.relative_to(state)) for p in state.rglob("*")) == before
