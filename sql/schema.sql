@@ -628,6 +628,27 @@ $$;
 ALTER FUNCTION appliance.run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone) OWNER TO appliance_owner;
 
 --
+-- Name: spend_alert_check(date, text, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.spend_alert_check(p_month date, p_tenant text, p_at timestamp with time zone) RETURNS void
+    LANGUAGE sql
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
+    AS $$
+    INSERT INTO spend_alerts (month, scope, fraction, spent, cap, at)
+    SELECT sm.month, sm.scope, f, sm.spent, c.monthly_cap, p_at
+    FROM spend_months sm
+    JOIN spend_caps c ON c.scope = sm.scope
+    CROSS JOIN (SELECT DISTINCT f FROM unnest(
+        (SELECT alert_fractions FROM spend_config) || ARRAY[1.0]::numeric[]) AS a(f)) AS fr
+    WHERE sm.month = p_month AND sm.scope IN ('appliance', 'tenant:' || p_tenant)
+      AND c.monthly_cap > 0 AND sm.spent >= f * c.monthly_cap
+    ON CONFLICT DO NOTHING
+$$;
+
+ALTER FUNCTION appliance.spend_alert_check(p_month date, p_tenant text, p_at timestamp with time zone) OWNER TO appliance_owner;
+
+--
 -- Name: spend_month(timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -684,7 +705,7 @@ DECLARE
     h record;
 BEGIN
     FOR h IN
-        SELECT l.id
+        SELECT l.id, l.reserved
         FROM spend_ledger l
         LEFT JOIN agent_messages m ON m.id = l.message_id
         WHERE l.status = 'reserved'
@@ -693,7 +714,9 @@ BEGIN
         LIMIT p_batch
         FOR UPDATE OF l SKIP LOCKED
     LOOP
-        PERFORM spend_settle(h.id, 0, NULL, NULL, 'released', 'lease gone: released by the reclaimer',
+        PERFORM spend_settle(h.id, h.reserved, NULL, NULL, 'settled',
+                             'lease gone: charged the whole reservation, an upper bound (the call '
+                             'may have run); a late settlement replaces it with the call''s cost',
                              p_now);
         n := n + 1;
     END LOOP;
@@ -801,6 +824,7 @@ DECLARE
     at timestamptz := coalesce(p_now, now());
     h record;
     late spend_ledger;
+    charged numeric;
 BEGIN
     IF p_status NOT IN ('settled', 'released') THEN
         RAISE EXCEPTION 'spend_settle: status must be settled or released, not %', p_status;
@@ -816,8 +840,23 @@ BEGIN
     ORDER BY sm.scope
     FOR UPDATE;
     IF late.status <> 'reserved' THEN
+        IF late.status = 'settled' AND late.note LIKE 'lease gone%' THEN
+            -- The call's own figure replaces the upper bound the reclaimer charged.
+            charged := CASE WHEN p_status = 'settled' THEN p_amount ELSE 0 END;
+            UPDATE spend_ledger l
+            SET amount = charged, energy_joules = p_energy, provenance = p_provenance,
+                settled_at = at,
+                note = 'late: the call ended after its lease was lost; its cost replaced the '
+                       'reservation charged (' || late.amount || ')'
+            WHERE l.id = p_hold;
+            UPDATE spend_months sm SET spent = sm.spent - late.amount + charged
+            WHERE sm.month = late.month AND sm.scope IN ('appliance', 'tenant:' || late.tenant);
+            PERFORM spend_alert_check(late.month, late.tenant, at);
+            RETURN charged;
+        END IF;
         IF late.status = 'released' AND p_status = 'settled' AND p_amount > 0
            AND late.note LIKE 'lease gone%' THEN
+            -- A hold released at 0 before migration 0023: the call's cost is added.
             INSERT INTO spend_ledger (month, tenant, lane, message_id, lease_token, pipeline,
                                       stage, kind, model, tier, status, reserved, amount,
                                       energy_joules, provenance, note, created_at, settled_at)
@@ -827,6 +866,7 @@ BEGIN
                     'late: the call ended after its hold ' || p_hold || ' was released', at, at);
             UPDATE spend_months sm SET spent = sm.spent + p_amount
             WHERE sm.month = late.month AND sm.scope IN ('appliance', 'tenant:' || late.tenant);
+            PERFORM spend_alert_check(late.month, late.tenant, at);
             RETURN p_amount;
         END IF;
         RETURN NULL;
@@ -839,14 +879,7 @@ BEGIN
     UPDATE spend_months sm
     SET reserved = sm.reserved - h.reserved, spent = sm.spent + p_amount
     WHERE sm.month = h.month AND sm.scope IN ('appliance', 'tenant:' || h.tenant);
-    INSERT INTO spend_alerts (month, scope, fraction, spent, cap, at)
-    SELECT sm.month, sm.scope, f, sm.spent, c.monthly_cap, at
-    FROM spend_months sm
-    JOIN spend_caps c ON c.scope = sm.scope
-    CROSS JOIN unnest((SELECT alert_fractions FROM spend_config)) AS f
-    WHERE sm.month = h.month AND sm.scope IN ('appliance', 'tenant:' || h.tenant)
-      AND c.monthly_cap > 0 AND sm.spent >= f * c.monthly_cap
-    ON CONFLICT DO NOTHING;
+    PERFORM spend_alert_check(h.month, h.tenant, at);
     RETURN p_amount;
 END
 $$;

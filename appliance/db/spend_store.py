@@ -3,6 +3,7 @@ and the messages parked for budget (the SpendStore port)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -15,6 +16,8 @@ from appliance.db.message_store import SYSTEM_ACTOR, run_batches, run_fenced
 from appliance.db.queries import q
 from appliance.domain.budget import Refusal
 from appliance.domain.envelope import Lane, LeaseRef
+
+log = logging.getLogger("appliance.db.spend")
 
 
 class PgSpendStore:
@@ -158,11 +161,21 @@ class PgSpendStore:
         actor: str = SYSTEM_ACTOR,
         now: datetime | None = None,
     ) -> bool:
-        """Park a running attempt in held_budget (fenced by the lease)."""
-        return await run_fenced(
+        """Park a running attempt in held_budget (fenced by the lease). A cap set, or a month
+        turned, between the refusal and the park resumes it at once: `appliance cap set` and
+        the rollover sweep only resume what is parked when they run."""
+        held = await run_fenced(
             self.db, "message_park", lease, status="held_budget", waiting_for="budget",
             expires_at=expires_at, reason=reason, actor=actor, now=now,
         )  # fmt: skip
+        if held:
+            async with self.db.system_conn() as conn:
+                params = {"id": lease.message_id, "actor": actor, "now": now}
+                cur = await conn.execute(q("message_budget_recheck"), params)
+                if await cur.fetchone() is not None:
+                    log.info("message %s: cap or month changed while parking; resumed",
+                             lease.message_id)  # fmt: skip
+        return held
 
     async def resume_budget(
         self,

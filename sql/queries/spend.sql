@@ -117,6 +117,24 @@ FROM ready
 WHERE m.id = ready.id
 RETURNING m.id;
 
+-- name: message_budget_recheck :one
+-- A message just parked in held_budget goes straight back to pending when a cap changed, or the month turned, since its attempt was claimed: a `cap set` (or a rollover sweep) that ran between the refusal and the park found nothing to resume. A change just before the refusal resumes it once more at most (the next claim postdates it).
+UPDATE agent_messages m
+SET status = 'pending',
+    waiting_for = NULL,
+    wait_expires_at = NULL,
+    not_before = coalesce(%(now)s::timestamptz, now()),
+    deferred = false,
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = 'budget_recheck: the cap or the month changed while it was being held',
+    status_actor = %(actor)s
+WHERE m.id = %(id)s AND m.status = 'held_budget'
+  AND (EXISTS (SELECT FROM spend_caps c
+               -- A second's margin: a cap's time is its transaction's start.
+               WHERE c.updated_at >= m.claimed_at - interval '1 second')
+       OR spend_month(m.claimed_at) < spend_month(clock(%(now)s)))
+RETURNING m.id;
+
 -- name: run_budget_reserve :one
 -- Reserve work against a run's budget (NULL: it fits; else the exhausted dimension).
 SELECT run_budget_reserve(%(tenant)s, %(source)s, %(source_id)s, %(pipeline)s, %(limits)s,

@@ -176,22 +176,96 @@ async def test_no_cap_means_no_admission(spend: PgSpendStore) -> None:
         await reserve(spend, datetime(2031, 6, 1, tzinfo=UTC), amount=Decimal(0))
 
 
-async def test_holds_of_dead_leases_are_released(spend: PgSpendStore, db: Database) -> None:
+async def test_a_hold_whose_lease_is_gone_keeps_its_room_until_its_call_settles(
+    spend: PgSpendStore, db: Database
+) -> None:
+    """The reclaimer charges a lost lease's hold in full (its call may still run); the re-run
+    cannot take that room, and the call's late settlement replaces the charge (migration
+    0023). Released at 0, the room went to the re-run and both calls were charged: spent 1.2
+    against a cap of 1."""
     from appliance.bus.core import Bus
     from appliance.db.runner_store import PgRunnerStore
 
     await spend.set_cap("appliance", Decimal("1.0"))
     bus = Bus(PgRunnerStore(db))
+    now = datetime.now(UTC)
     await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id="1",
                       directive="d")  # fmt: skip
-    (message,) = await bus.claim("w", limit=1)
-    hold = await reserve(spend, datetime.now(UTC), lease=message.lease)
+    (first,) = await bus.claim("w", limit=1)
+    hold = await reserve(spend, now, lease=first.lease, amount=Decimal("0.6"))
     assert isinstance(hold, int)
     assert await spend.release_dead(now=None) == 0  # its lease is alive
-    await bus.reclaim(now=datetime.now(UTC) + timedelta(hours=1))
+    later = now + timedelta(hours=1)
+    await bus.reclaim(now=later)
     assert await spend.release_dead(now=None) == 1
     status = {r["scope"]: r for r in await spend.status(now=None)}
-    assert status["appliance"]["reserved"] == 0
+    assert (status["appliance"]["spent"], status["appliance"]["reserved"]) == (Decimal("0.6"), 0)
+    # The re-run of the same work does not fit beside the old call's charge.
+    (again,) = await bus.claim("w", limit=1, now=later)
+    refused = await reserve(spend, now, lease=again.lease, amount=Decimal("0.6"))
+    assert isinstance(refused, Refusal)
+    # The old call ends: its measured cost replaces the upper bound, and room comes back.
+    assert await spend.settle(hold, amount=Decimal("0.25"), energy_joules=900.0,
+                              provenance="estimated", now=now) == Decimal("0.25")  # fmt: skip
+    assert await spend.settle(hold, amount=Decimal("0.25"), energy_joules=900.0,
+                              provenance="estimated", now=now) is None  # fmt: skip
+    second = await reserve(spend, now, lease=again.lease, amount=Decimal("0.6"))
+    assert isinstance(second, int)
+    await spend.settle(second, amount=Decimal("0.6"), energy_joules=1.0,  # type: ignore[arg-type]
+                       provenance="estimated", now=now)  # fmt: skip
+    status = {r["scope"]: r for r in await spend.status(now=None)}
+    assert status["appliance"]["spent"] == Decimal("0.85") <= Decimal("1.0")
+    async with db.system_conn() as conn:
+        rows = await (
+            await conn.execute("SELECT amount, note FROM spend_ledger WHERE id = %s", (hold,))
+        ).fetchone()
+    assert rows is not None and rows["amount"] == Decimal("0.25")
+    assert rows["note"].startswith("late: the call ended after its lease was lost")
+
+
+async def test_reaching_the_cap_is_always_an_alert(spend: PgSpendStore, db: Database) -> None:
+    # A measured cost above its reservation is charged as measured; spent past the cap must
+    # not pass unseen whatever fractions are configured (here only 50 %).
+    now = datetime(2031, 4, 10, tzinfo=UTC)
+    await spend.configure(
+        time_zone="UTC", currency="EUR", interactive_share=Decimal("0.2"),
+        alert_fractions=[Decimal("0.5")], amortisation_monthly=Decimal(0),
+    )  # fmt: skip
+    await spend.set_cap("appliance", Decimal("1.0"))
+    hold = await reserve(spend, now, amount=Decimal("0.9"))
+    assert isinstance(hold, int)
+    assert await spend.settle(hold, amount=Decimal("1.4"), energy_joules=9.0,
+                              provenance="measured", now=now) == Decimal("1.4")  # fmt: skip
+    alerts = sorted((a["scope"], a["fraction"]) for a in await spend.alerts(now=now))
+    assert alerts == [("appliance", Decimal("0.5")), ("appliance", Decimal("1.0"))]
+    assert isinstance(await reserve(spend, now, amount=Decimal("0.01")), Refusal)
+
+
+async def test_a_park_that_races_a_cap_change_is_resumed_at_once(
+    spend: PgSpendStore, db: Database
+) -> None:
+    # `cap set` resumes what is parked when it runs: a refusal taken before it, parked after
+    # it, would otherwise wait for the next month.
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    await spend.set_cap("appliance", Decimal("1.0"))
+    bus = Bus(PgRunnerStore(db))
+    for sid in ("raced", "plain"):
+        await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id=sid,
+                          directive="d")  # fmt: skip
+    await asyncio.sleep(1.1)  # the cap's time lies clear of the claims (its 1 s margin)
+    raced, plain = await bus.claim("w", limit=2)
+    assert isinstance(await reserve(spend, datetime.now(UTC), amount=Decimal(5)), Refusal)
+    # Not raced: the cap did not change since the claim; it stays held.
+    expires = datetime.now(UTC) + timedelta(days=1)
+    assert await spend.hold_budget(plain.lease, reason="held_budget: x", expires_at=expires)
+    await spend.set_cap("appliance", Decimal("100"))
+    assert await spend.resume_budget(reason="cap_set") == 1  # finds `plain` only
+    assert await spend.hold_budget(raced.lease, reason="held_budget: x", expires_at=expires)
+    got = await bus.get("acme", raced.id)
+    assert got is not None and got.status.value == "pending"
+    assert str(got.extra.get("status_reason")).startswith("budget_recheck")
 
 
 BUDGET = RunBudget(steps=10, tokens=1000, calls=5, writes=2, money=Decimal("0.5"),
@@ -350,8 +424,8 @@ async def test_held_work_of_an_earlier_month_resumes_whenever_it_is_seen(
     bus = Bus(PgRunnerStore(db))
     await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id="m1",
                       directive="d")  # fmt: skip
-    (message,) = await bus.claim("w", limit=1)
     held_at = datetime(2031, 1, 20, tzinfo=UTC)
+    (message,) = await bus.claim("w", limit=1, now=held_at)
     expires = held_at + timedelta(days=32)
     assert await spend.hold_budget(
         message.lease, reason="held_budget: test", expires_at=expires, now=held_at
@@ -373,9 +447,10 @@ async def test_held_work_resumes_by_the_local_month_of_its_hold(
     bus = Bus(PgRunnerStore(db))
 
     async def held(source_id: str, at: datetime) -> int:
+        # Enqueued and claimed at the hold's time, as a runner parks seconds after its claim.
         await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t",
-                          source_id=source_id, directive="d")  # fmt: skip
-        (message,) = await bus.claim("w", limit=1)
+                          source_id=source_id, directive="d", now=at)  # fmt: skip
+        (message,) = await bus.claim("w", limit=1, now=at)
         assert await spend.hold_budget(
             message.lease, reason="held_budget: test", expires_at=at + timedelta(days=60), now=at
         )

@@ -180,17 +180,18 @@ def test_sigkilled_runners_leak_no_reservations(fresh_db: Endpoints, tmp_path: P
             raise AssertionError(procs.logs()) from None
         procs.signal("victim", signal.SIGKILL)
         procs.wait("victim")
-        # Every hold of the dead runner is released within its lease plus 5 s.
+        # Every hold of the dead runner is closed within its lease plus 5 s: charged in full,
+        # an upper bound (its calls ran until the kill), so its room is never handed on.
         try:
             wait_until(lambda: held() == 0, timeout=LEASE + 5, what="released holds")
         except AssertionError:
             raise AssertionError(procs.logs()) from None
-        released = query(
+        charged = query(
             fresh_db.admin,
-            "SELECT count(*) AS n FROM spend_ledger WHERE status = 'released' "
-            "AND note LIKE 'lease gone%%'",
-        )[0]["n"]
-        assert released == 2
+            "SELECT count(*) AS n, coalesce(sum(amount - reserved), 0) AS gap FROM spend_ledger"
+            " WHERE status = 'settled' AND note LIKE 'lease gone%%'",
+        )[0]
+        assert (charged["n"], charged["gap"]) == (2, 0)
         assert Decimal(scope_row(fresh_db.admin, "appliance")["reserved"]) == 0  # type: ignore[arg-type]
         # A runner with models finishes the work; spend settles to the recorded calls.
         procs.start("finisher")
@@ -216,4 +217,4 @@ def test_sigkilled_runners_leak_no_reservations(fresh_db: Endpoints, tmp_path: P
     )
     assert Decimal(final["reserved"]) == 0  # type: ignore[arg-type]
     assert Decimal(ledger["total"]) == Decimal(final["spent"])  # type: ignore[arg-type]
-    assert ledger["n"] == 2
+    assert ledger["n"] == 4  # the victim's two upper bounds and the finisher's two calls
