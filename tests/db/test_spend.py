@@ -211,7 +211,7 @@ async def test_a_hold_whose_lease_is_gone_keeps_its_room_until_its_call_settles(
                               provenance="estimated", now=now) is None  # fmt: skip
     second = await reserve(spend, now, lease=again.lease, amount=Decimal("0.6"))
     assert isinstance(second, int)
-    await spend.settle(second, amount=Decimal("0.6"), energy_joules=1.0,  # type: ignore[arg-type]
+    await spend.settle(second, amount=Decimal("0.6"), energy_joules=1.0,
                        provenance="estimated", now=now)  # fmt: skip
     status = {r["scope"]: r for r in await spend.status(now=None)}
     assert status["appliance"]["spent"] == Decimal("0.85") <= Decimal("1.0")
