@@ -376,6 +376,23 @@ async def cmd_runner(settings: Settings, args: argparse.Namespace) -> int:
     # SIGUSR1 prints every asyncio task's stack to the log: how to see what a runner waits on.
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
     await run_runner(settings, stop)
+    # A handler that ignores cancellation was abandoned (its lease lapses or was already
+    # settled), but asyncio.run would wait for its task forever: the stop must end.
+    stuck = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+    if stuck:
+        for task in stuck:
+            task.cancel()
+        _, pending = await asyncio.wait(stuck, timeout=2.0)
+        if pending:
+            logging.getLogger("appliance.runner").error(
+                "exiting with %d tasks that ignore cancellation: %s",
+                len(pending),
+                ", ".join(sorted(t.get_name() for t in pending)),
+            )
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     return 0
 
 

@@ -78,6 +78,20 @@ def _call_status(exc: BaseException) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {exc}"
 
 
+# At most this much of a handler's error goes into one log line (the whole, cut to the
+# database's limit, goes into the message's error).
+_LOG_CHARS = 2000
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message` for a failure's record, even when the exception's own str() fails."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "(its message could not be rendered)"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 # A representative task kind per tier, to ask the routing policy about a tier as a whole.
 _KIND_OF: dict[Tier, str] = {Tier.MECHANICAL: "classify", Tier.REASONING: "draft"}
 
@@ -229,6 +243,9 @@ class Runner:
         )
         self.stats = RunnerStats()
         self._attempts: dict[int, _Attempt] = {}
+        # Tasks of handlers that ignored cancellation: their slots were given back, but the
+        # process cannot wait for them when it exits (abandoned_tasks()).
+        self._abandoned_tasks: set[asyncio.Task[None]] = set()
         self._ahead = ClaimAhead(self.config.claim_ahead, self.config.claim_ahead_window)
         self._give_back_timer: asyncio.TimerHandle | None = None
         self._giving_back: set[asyncio.Task[None]] = set()
@@ -299,21 +316,36 @@ class Runner:
                     self._wake.set()  # a full claim may have left more behind
         finally:
             self._stopping = True
-            await self._drain()
+            # Every step that waits on the database is bounded: with the database down, a
+            # stop must still end in about the drain timeout (a service manager kills a stop
+            # that takes too long). What is not written lapses and is reclaimed.
+            try:
+                async with asyncio.timeout(self.config.drain_timeout.total_seconds() + 15.0):
+                    await self._drain()
+            except TimeoutError:
+                log.error("stopping: the drain took too long (database unreachable?); the "
+                          "leases left lapse and are reclaimed")  # fmt: skip
             side += [t for t in (self._reclaim_task, self._resume_task) if t is not None]
             for task in side:
                 task.cancel()
             # Bounded: a side task that will not finish must not keep the process alive.
             await asyncio.wait(side, timeout=5.0)
-            await self._flush_acks()
             # A claim still in flight at the drain (it waited 10 s for it) may have held more.
             if self._side_claim is not None:
                 self._side_claim.cancel()
-            await self._give_back_all_held()
-            with contextlib.suppress(Exception):
-                await self.store.report_runner({**self._info(), "stopped_at": self.clock()})
+            try:
+                async with asyncio.timeout(10.0):
+                    await self._flush_acks()
+                    await self._give_back_all_held()
+                    with contextlib.suppress(Exception):
+                        await self.store.report_runner({**self._info(), "stopped_at": self.clock()})
+            except TimeoutError:
+                log.error("stopping: could not write the last acknowledgements or give back "
+                          "held leases; they lapse and are reclaimed")  # fmt: skip
             if self.doorbell is not None:
-                await self.doorbell.close()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5.0):
+                        await self.doorbell.close()
 
     async def _stop_watch(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -723,9 +755,14 @@ class Runner:
             # tenant's limit until it commits.
             self._free_slot(attempt)
         except asyncio.CancelledError:
-            # Cancelled by us: the message was cancelled, its lease lost, or we are stopping.
-            # There is nothing to write: the store already knows, or the drain releases it.
-            return
+            task = asyncio.current_task()
+            if attempt.stop_reason is not None or (task is not None and task.cancelling()):
+                # Cancelled by us: the message was cancelled, its lease lost, or we are
+                # stopping. Nothing to write: the store already knows, or the drain releases it.
+                return
+            # The handler raised CancelledError of its own accord: a failure like any other,
+            # recorded now rather than left to look like a dead worker when its lease lapses.
+            await self._fail(attempt, f"handler raised {_describe(asyncio.CancelledError())}")
         except CapabilityUnavailable as exc:
             # No tier allowed to do this work is up: it waits, visibly, and is never sent to a
             # weaker model. Not a failure: the attempt is not counted. It waits for the weakest
@@ -748,9 +785,15 @@ class Runner:
         except BudgetExhausted as exc:
             # The run used up a dimension of its budget: the message ends, naming it.
             await self._terminate(attempt, str(exc))
-        except Exception as exc:
-            log.warning("handler %s.%s failed: %r", message.pipeline, message.stage, exc)
-            await self._fail(attempt, f"{type(exc).__name__}: {exc}")
+        except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
+            # KeyboardInterrupt and SystemExit too: raised by a handler (never by a signal: the
+            # runner handles those), they would leave the event loop and stop the runner, and
+            # every runner that picked the message up after it.
+            text = _describe(exc)
+            log.warning(
+                "handler %s.%s failed: %s", message.pipeline, message.stage, text[:_LOG_CHARS]
+            )
+            await self._fail(attempt, text)
         finally:
             if not attempt.acked:
                 self._finish(attempt)
@@ -1099,6 +1142,11 @@ class Runner:
                 outcomes = await self.store.complete(
                     [c for _, c in batch], actor=self.config.worker_id, now=None
                 )
+            except asyncio.CancelledError:
+                # Stopping with this batch in flight: it goes back, for the drain's last flush
+                # (acknowledging twice is harmless: the second is reported late).
+                self._acks = batch + self._acks
+                raise
             except Exception:
                 log.exception("acknowledging %d results failed; retrying", len(batch))
                 self._acks = batch + self._acks
@@ -1151,23 +1199,29 @@ class Runner:
         attempt.context.cancel_reason = reason
         attempt.cancelled.set()
         log.info("message %s: stopping its handler (%s)", attempt.message.id, reason)
-        if reason == AttemptStop.LEASE_LOST:
-            # Its writes would be refused anyway: stop now and free the slot.
-            if attempt.task is not None:
-                attempt.task.cancel()
-        else:
-            # Cooperative first: the handler sees ctx.cancelled; after the grace, we cancel it.
-            attempt.hard_cancel_at = time.monotonic() + self.config.cancel_grace.total_seconds()
+        if reason == AttemptStop.LEASE_LOST and attempt.task is not None:
+            # Its writes would be refused anyway: stop now; the slot is freed when the task
+            # ends, or after the grace if it ignores the cancellation (_abandon).
+            attempt.task.cancel()
+        # Cooperative first: the handler sees ctx.cancelled; after the grace, we cancel it.
+        attempt.hard_cancel_at = time.monotonic() + self.config.cancel_grace.total_seconds()
 
     def _abandon(self, attempt: _Attempt) -> None:
         if attempt.task is not None and not attempt.task.done():
             attempt.task.cancel()
-        if attempt.hard_cancel_at is not None and attempt.stop_reason == AttemptStop.OVERRUN:
-            # A handler that ignores cancellation keeps its task; its slot is given back so a
-            # wedged handler cannot take the runner's capacity with it.
+        if attempt.hard_cancel_at is not None:
+            # Whatever stopped it (cancelled, lease lost, overrun): a handler that ignores
+            # cancellation keeps its task, but its slot is given back, so a wedged handler
+            # cannot take the runner's capacity with it. The database already has its outcome
+            # (cancelled) or will (the reclaimer).
             self.stats.abandoned += 1
             attempt.hard_cancel_at = None
+            self._abandoned_tasks.update(t for t in (attempt.task,) if t and not t.done())
             self._finish(attempt)
+
+    def abandoned_tasks(self) -> list[asyncio.Task[None]]:
+        """Handler tasks that ignored cancellation and are still running."""
+        return [t for t in self._abandoned_tasks if not t.done()]
 
     # -- shutdown -------------------------------------------------------------------------------
 

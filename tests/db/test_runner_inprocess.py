@@ -48,11 +48,50 @@ async def quick(ctx: StageContext) -> StageResult:
     return ctx.finish({"ok": True})
 
 
+async def interrupts(ctx: StageContext) -> StageResult:
+    raise KeyboardInterrupt
+
+
+async def exits(ctx: StageContext) -> StageResult:
+    raise SystemExit(3)
+
+
+async def self_cancels(ctx: StageContext) -> StageResult:
+    raise asyncio.CancelledError
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+async def unprintable(ctx: StageContext) -> StageResult:
+    raise Unprintable
+
+
+# Lets the stubborn handler end when its test is over (its task would outlive the loop).
+stubborn_may_end = asyncio.Event()
+
+
+async def stubborn(ctx: StageContext) -> StageResult:
+    while not stubborn_may_end.is_set():
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            continue  # ignores every cancellation
+    return ctx.finish({"ended": "late"})
+
+
 PIPES = [
     Pipeline("patient", (Stage("run", patient),)),
     Pipeline("wrong", (Stage("run", wrong, max_attempts=1),)),
     Pipeline("unstorable", (Stage("run", unstorable, max_attempts=1),)),
     Pipeline("quick", (Stage("run", quick),)),
+    Pipeline("interrupts", (Stage("run", interrupts, max_attempts=1),)),
+    Pipeline("exits", (Stage("run", exits, max_attempts=1),)),
+    Pipeline("self_cancels", (Stage("run", self_cancels, max_attempts=1),)),
+    Pipeline("unprintable", (Stage("run", unprintable, max_attempts=1),)),
+    Pipeline("stubborn", (Stage("run", stubborn),)),
 ]
 
 
@@ -179,6 +218,51 @@ async def test_a_result_that_is_not_json_fails_the_attempt_clearly(running) -> N
         got.error or ""
     )
     assert runner.stats.failed == 1
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "error"),
+    [
+        # Left to propagate, these two stopped the event loop: the runner died, and so did
+        # every runner that picked the message up after it.
+        ("interrupts", "KeyboardInterrupt"),
+        ("exits", "SystemExit: 3"),
+        # These were written nowhere: the lease lapsed and the reclaimer blamed a dead worker.
+        ("self_cancels", "handler raised CancelledError"),
+        ("unprintable", "Unprintable: (its message could not be rendered)"),
+    ],
+)
+async def test_a_handler_raising_anything_fails_only_its_attempt(
+    running, pipeline: str, error: str
+) -> None:
+    bus, _, runner = running
+    r = await bus.enqueue(**request(bus, pipeline))
+    await wait_status(bus, r.id, MessageStatus.DEAD, timeout=5)  # well inside its lease
+    got = await bus.get("acme", r.id)
+    assert got is not None and got.error == error
+    after = await bus.enqueue(**request(bus, "quick", "after"))
+    await wait_status(bus, after.id, MessageStatus.DONE)
+    assert runner.stats.failed == 1
+
+
+async def test_a_handler_that_ignores_cancellation_gives_its_slot_back(running) -> None:
+    bus, _, runner = running
+    stubborn_may_end.clear()
+    try:
+        r = await bus.enqueue(**request(bus, "stubborn"))
+        await wait_status(bus, r.id, MessageStatus.RUNNING)
+        assert await bus.cancel("acme", r.id, reason="operator")
+        # The heartbeat (every 0.5 s) carries the cancellation; after the 1 s grace the task
+        # is cancelled (ignored) and the slot given back.
+        for _ in range(200):
+            if runner.stats.abandoned:
+                break
+            await asyncio.sleep(0.05)
+        assert runner.stats.abandoned == 1
+        assert runner.slots.running[Lane.INTERACTIVE] == 0
+        assert [t.get_name() for t in runner.abandoned_tasks()] != []
+    finally:
+        stubborn_may_end.set()
 
 
 async def test_unknown_stage_fails_with_its_name(running) -> None:

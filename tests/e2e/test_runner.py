@@ -218,3 +218,20 @@ def test_sigterm_drains_finishes_or_gives_back(fresh_db: Endpoints, procs: Runne
         fresh_db.admin, "SELECT count(*) AS n FROM message_transitions WHERE reason = 'released'"
     )
     assert released[0]["n"] == 2
+
+
+def test_sigterm_ends_a_runner_whose_handler_ignores_cancellation(
+    fresh_db: Endpoints, procs: RunnerProcs
+) -> None:
+    # The wedged handler swallows every cancellation: the drain gives its lease back, and the
+    # process exits instead of waiting for the task forever (it had to be SIGKILLed).
+    enqueue(fresh_db, "stuck", "run", 1)
+    name = procs.start()
+    wait_until(lambda: counts(fresh_db.admin).get("running") == 1, 20, what="running")
+    procs.signal(name, signal.SIGTERM)
+    assert procs.wait(name, timeout=40) == 0
+    assert "ignore cancellation" in procs.logs()
+    # Not left running: given back by the drain, or (its 3 s run deadline passed during the
+    # drain) reclaimed.
+    (row,) = query(fresh_db.admin, "SELECT status::text AS s FROM agent_messages")
+    assert row["s"] == "pending"
