@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from decimal import Decimal, InvalidOperation
+import re
+from decimal import Decimal
 from typing import Any
 
-from appliance.domain.errors import InvalidInput
+from appliance.domain.cost import QUANTUM
+from appliance.domain.errors import InvalidInput, UnknownTenant
 from appliance.runtime import calibrate, services
 from appliance.settings import Settings
 
@@ -47,13 +49,25 @@ async def cmd_energy(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+# Amounts are kept to the ledger's step (a billionth of the currency unit).
+AMOUNT_DECIMALS = -int(QUANTUM.as_tuple().exponent)
+AMOUNT_MAX = Decimal(10) ** 15
+
+
 def _amount(text: str) -> Decimal:
-    try:
-        value = Decimal(text)
-    except InvalidOperation:
-        raise InvalidInput("amount", f"{text!r} is not a number") from None
-    if not value.is_finite() or value < 0:
-        raise InvalidInput("amount", f"{text} must be a finite amount >= 0")
+    # Plain decimal notation only ("1_000" and "1e3" are Python's, not an operator's), at the
+    # ledger's precision.
+    if not re.fullmatch(r"\s*\d+(\.\d*)?\s*", text):
+        raise InvalidInput(
+            "amount", f"{text!r} is not an amount (digits, an optional decimal point: 12.50)"
+        )
+    value = Decimal(text.strip())
+    if value.as_tuple().exponent < -AMOUNT_DECIMALS:  # type: ignore[operator]
+        raise InvalidInput(
+            "amount", f"{text.strip()} has more than {AMOUNT_DECIMALS} decimal places"
+        )
+    if value >= AMOUNT_MAX:
+        raise InvalidInput("amount", f"{text.strip()} is over the limit of {AMOUNT_MAX}")
     return value
 
 
@@ -91,11 +105,16 @@ async def cmd_cap(settings: Settings, args: argparse.Namespace) -> int:
             scope = "appliance"
             if args.tenant:
                 if not await svc.tenants.exists(args.tenant):
-                    raise InvalidInput("tenant", f"unknown tenant {args.tenant!r}")
+                    raise UnknownTenant(args.tenant)
                 scope = f"tenant:{args.tenant}"
             await svc.spend.set_cap(scope, amount, actor="operator")
+            # A tenant's cap frees that tenant's held work only: resuming the others would
+            # only have them refused and held again.
             resumed = await svc.spend.resume_budget(
-                reason=f"cap_set: {scope} {amount}", actor="operator", now=None
+                reason=f"cap_set: {scope} {amount}",
+                actor="operator",
+                tenant=args.tenant or None,
+                now=None,
             )
             print(f"cap {scope}: {_fmt(amount)}; resumed {resumed} messages held for budget")
             return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import time, timedelta
 from decimal import Decimal
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -169,7 +169,9 @@ class SpendSettings(BaseModel):
     time_zone: str = "UTC"
     # The share of the cap only interactive work may use.
     interactive_share: Decimal = Field(default=Decimal("0.2"), ge=0, le=1)
-    alert_fractions: list[Decimal] = Field(
+    # Fractions of a cap at which an alert is recorded (each in (0, 1]; reaching the cap
+    # always alerts).
+    alert_fractions: list[Annotated[Decimal, Field(gt=0, le=1)]] = Field(
         default_factory=lambda: [Decimal("0.5"), Decimal("0.8"), Decimal("0.95")]
     )
     # A call reserves its worst case times this (the cap stays conservative with estimates).

@@ -183,10 +183,12 @@ class PgSpendStore:
         reason: str,
         actor: str = SYSTEM_ACTOR,
         batch: int = 500,
+        tenant: str | None = None,
         now: datetime | None = None,
     ) -> int:
-        """Send every message held for budget back to pending (all batches)."""
+        """Send every message held for budget (of `tenant`, when given) back to pending."""
         params: dict[str, Any] = {
+            "tenant": tenant,
             "reason": reason,
             "actor": actor,
             "batch": batch,
@@ -201,6 +203,7 @@ class PgSpendStore:
         """Resume messages held for budget in an earlier month (all batches)."""
         month = await self.month(now=now)
         params = {
+            "tenant": None,
             "reason": f"month_rollover: {month}",
             "actor": actor,
             "batch": batch,

@@ -296,7 +296,13 @@ class SpendStore(Protocol):
     ) -> bool: ...
 
     async def resume_budget(
-        self, *, reason: str, actor: str, batch: int, now: datetime | None
+        self,
+        *,
+        reason: str,
+        actor: str,
+        batch: int,
+        tenant: str | None = None,
+        now: datetime | None,
     ) -> int: ...
 
     async def run_reserve(

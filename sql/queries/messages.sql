@@ -164,7 +164,13 @@ SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
     deferred = false,
     lease_expires_at = NULL,
     lease_token = NULL,
-    error = 'lease expired (worker ' || coalesce(m.claimed_by, '?') || ' went silent)',
+    -- Says which way it ran out: "went silent" was also written of a live worker whose
+    -- handler overran, or that could not reach the database.
+    error = CASE WHEN m.run_deadline <= m.lease_expires_at
+                 THEN 'lease expired at its run deadline (the handler on worker '
+                      || coalesce(m.claimed_by, '?') || ' ran past the stage''s maximum runtime)'
+                 ELSE 'lease expired (worker ' || coalesce(m.claimed_by, '?')
+                      || ' stopped renewing it: it died, stalled or lost the database)' END,
     finished_at = CASE WHEN m.attempts >= m.max_attempts
                        THEN coalesce(%(now)s::timestamptz, now()) END,
     updated_at = coalesce(%(now)s::timestamptz, now()),

@@ -84,7 +84,7 @@ ORDER BY at DESC;
 SELECT spend_month(coalesce(%(now)s::timestamptz, now())) AS month;
 
 -- name: message_resume_budget :many
--- Messages held for budget go back to pending: all of them (the cap was raised), or with `earlier_months_only` those held in a month before this one by the database clock (the month rolled over, also when no runner saw the boundary itself); a bounded batch.
+-- Messages held for budget go back to pending: all of them, or one tenant's (the cap was raised), or with `earlier_months_only` those held in a month before this one by the database clock (the month rolled over, also when no runner saw the boundary itself); a bounded batch.
 WITH ready AS (
     -- Oldest hold first, read in the order of the index of holds up to a bound on the hold's
     -- time that the index can use (local midnight starting this month, or none), so that no
@@ -93,6 +93,8 @@ WITH ready AS (
     -- later instant, and the hour before it is this month already.
     SELECT m.id FROM agent_messages m
     WHERE m.status = 'held_budget'
+      -- A tenant's cap raised frees that tenant's work only (NULL: every tenant's).
+      AND (%(tenant)s::text IS NULL OR m.tenant = %(tenant)s::text)
       AND m.updated_at < CASE
           WHEN %(earlier_months_only)s
           THEN (SELECT spend_month(clock(%(now)s))::timestamp AT TIME ZONE c.time_zone

@@ -479,3 +479,23 @@ async def test_held_work_resumes_by_the_local_month_of_its_hold(
     november = await held("nov", datetime(2026, 11, 1, 4, 30, tzinfo=UTC))
     assert await spend.resume_stale(now=datetime(2026, 11, 3, tzinfo=UTC)) == 0
     assert await status(november) == "held_budget"
+
+
+async def test_a_tenants_cap_raised_resumes_that_tenants_held_work_only(
+    spend: PgSpendStore, db: Database
+) -> None:
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    bus = Bus(PgRunnerStore(db))
+    at = datetime(2031, 5, 10, tzinfo=UTC)
+    for tenant in ("acme", "globex"):
+        await bus.enqueue(tenant=tenant, pipeline="p", stage="s", source="t", source_id="h",
+                          directive="d", now=at)  # fmt: skip
+    for message in await bus.claim("w", limit=2, now=at):
+        assert await spend.hold_budget(
+            message.lease, reason="held_budget: x", expires_at=at + timedelta(days=9), now=at
+        )
+    assert await spend.resume_budget(reason="cap_set: tenant:acme", tenant="acme", now=at) == 1
+    held = {t: await bus.claim("w", tenant=t, limit=5, now=at) for t in ("acme", "globex")}
+    assert (len(held["acme"]), len(held["globex"])) == (1, 0)

@@ -184,6 +184,9 @@ def test_wedged_heartbeating_handler_is_reclaimed_after_max_runtime(
     ]
     ran = (log[2]["at"] - log[1]["at"]).total_seconds()  # type: ignore[operator]
     assert 3 <= ran <= 3 + 5
+    # The record says the handler overran, not that a worker went silent (it was alive).
+    (row,) = query(fresh_db.admin, "SELECT error FROM agent_messages WHERE id = %s", (mid,))
+    assert "ran past the stage's maximum runtime" in str(row["error"])
 
 
 def test_handler_exception_fails_the_attempt_and_the_runner_lives_on(

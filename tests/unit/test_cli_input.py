@@ -1,0 +1,43 @@
+"""Operator input read by the CLI and the settings: refused with the field named."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from pydantic import ValidationError
+
+from appliance.cli_spend import _amount
+from appliance.domain.errors import InvalidInput
+from appliance.settings import SpendSettings
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("-1", "is not an amount"),
+        ("NaN", "is not an amount"),
+        ("Infinity", "is not an amount"),
+        ("1e309", "is not an amount"),
+        ("1_000", "is not an amount"),  # Python's Decimal takes it; an operator did not mean it
+        ("0.1.2", "is not an amount"),
+        ("0.0000000001", "more than 9 decimal places"),  # finer than the ledger's step
+        ("1" + "0" * 15, "over the limit"),
+    ],
+)
+def test_a_cap_amount_is_plain_decimal_at_the_ledgers_precision(text: str, needle: str) -> None:
+    with pytest.raises(InvalidInput) as info:
+        _amount(text)
+    assert info.value.field == "amount" and needle in str(info.value)
+
+
+def test_plain_amounts_are_taken_exactly() -> None:
+    assert _amount("12.50") == Decimal("12.50")
+    assert _amount(" 0.000000001 ") == Decimal("0.000000001")
+    assert _amount("7") == 7
+
+
+@pytest.mark.parametrize("fractions", [[-1], [0], [Decimal("1.5")]])
+def test_alert_fractions_lie_within_the_cap(fractions: list[object]) -> None:
+    with pytest.raises(ValidationError, match="alert_fractions"):
+        SpendSettings(alert_fractions=fractions)  # type: ignore[arg-type]
