@@ -118,7 +118,12 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
     elif action == "status":
         st = cluster.status()
         state = f"running, pid {st.pid}" if st.running else "stopped"
-        if not st.initialized:
+        if cluster.foreign():
+            state = (
+                "refused: the data directory was not created by the appliance (move it away"
+                " or use another state directory)"
+            )
+        elif not st.initialized:
             state = "not initialised (appliance db start creates it)"
         print(f"database: {state}; data {st.data_dir}; socket {st.socket_dir}; port {st.port}")
         return 0 if st.running else 3

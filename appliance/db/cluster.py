@@ -527,14 +527,17 @@ class LocalCluster:
             if fd >= 0:
                 os.close(fd)  # releases the lock
 
-    def _refuse_foreign(self) -> None:
+    def foreign(self) -> bool:
+        """Whether the data directory holds something the appliance did not create."""
         if self.initialized() or not os.path.lexists(self.data_dir):
-            return
+            return False
         try:
-            empty = self.data_dir.is_dir() and not any(self.data_dir.iterdir())
+            return not (self.data_dir.is_dir() and not any(self.data_dir.iterdir()))
         except OSError as exc:
             raise ClusterError(f"cannot inspect {self.data_dir}: {exc}") from exc
-        if not empty:
+
+    def _refuse_foreign(self) -> None:
+        if self.foreign():
             raise ClusterError(
                 f"refusing to touch {self.data_dir}: not created by the appliance (no {MARKER}); "
                 "move it away or point the appliance at another state directory"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +25,8 @@ MIGRATION_LOCK_KEY = 0x6170706C_6D696772  # "applmigr"
 # table to itself). Waiting longer would hold every runner's statements on that table behind
 # the migration's queued lock: the bus would stall instead of the migration failing.
 LOCK_TIMEOUT = timedelta(seconds=10)
+# How long a migrate run waits for another one to finish before it names the holder.
+LOCK_WAIT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,43 @@ class MigrateReport:
     already: list[int]
 
 
+def _take_lock(conn: psycopg.Connection[dict[str, object]], wait: timedelta) -> None:
+    """The migration lock, waited for up to `wait`: another migrate run finishes in seconds,
+    so one that holds it longer is stuck (or a session left it taken), and is named."""
+    deadline = time.monotonic() + wait.total_seconds()
+    while True:
+        row = conn.execute(
+            "SELECT pg_try_advisory_lock(%s) AS taken", (MIGRATION_LOCK_KEY,)
+        ).fetchone()
+        if row and row["taken"]:
+            return
+        if time.monotonic() >= deadline:
+            holder = conn.execute(
+                "SELECT a.pid, a.application_name, a.state, now() - a.backend_start AS age"
+                " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.locktype = 'advisory' AND l.granted"
+                " AND (l.classid::bigint << 32) | l.objid::bigint = %s",
+                (MIGRATION_LOCK_KEY,),
+            ).fetchone()
+            who = (
+                f"server process {holder['pid']} ({holder['application_name'] or 'no name'},"
+                f" {holder['state']}, connected {holder['age']})"
+                if holder
+                else "another session"
+            )
+            raise MigrationError(
+                f"another migration has held the migration lock for over {wait} ({who}):"
+                " wait for it to finish, or end that session"
+            )
+        time.sleep(0.2)
+
+
 def migrate(
-    admin_conninfo: str, directory: Path | None = None, *, lock_timeout: timedelta = LOCK_TIMEOUT
+    admin_conninfo: str,
+    directory: Path | None = None,
+    *,
+    lock_timeout: timedelta = LOCK_TIMEOUT,
+    lock_wait: timedelta = LOCK_WAIT,
 ) -> MigrateReport:
     """Apply pending migrations.
 
@@ -87,7 +125,7 @@ def migrate(
     migrations = discover(base)
     bootstrap = (base / "bootstrap.sql").read_text()
     with psycopg.connect(admin_conninfo, autocommit=True, row_factory=dict_row) as conn:
-        conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        _take_lock(conn, lock_wait)
         try:
             with conn.transaction():
                 conn.execute(bootstrap)

@@ -7,6 +7,8 @@ from appliance.db.queries import q
 from appliance.domain.envelope import NAME_RE
 from appliance.domain.errors import InvalidInput
 
+DISPLAY_NAME_MAX_CHARS = 200
+
 
 class PgTenantStore:
     """Tenants are registered by the bus machinery role and read by everyone."""
@@ -21,6 +23,13 @@ class PgTenantStore:
                 "tenant",
                 f"{name!r} is not a valid tenant name (lowercase letters, digits, '_', '-', '.';"
                 " 1-63 characters, starting with a letter or digit)",
+            )
+        if display_name is not None and not (
+            0 < len(display_name) <= DISPLAY_NAME_MAX_CHARS and "\x00" not in display_name
+        ):
+            raise InvalidInput(
+                "display_name",
+                f"must be 1-{DISPLAY_NAME_MAX_CHARS} characters without NUL",
             )
         async with self.db.system_conn() as conn:
             cur = await conn.execute(q("tenant_add"), {"name": name, "display_name": display_name})

@@ -189,6 +189,7 @@ def test_refuses_foreign_data_dir(reachable_dir: Path) -> None:
         c.init()
     with pytest.raises(ClusterError, match="not created by the appliance"):
         c.stop()
+    assert c.foreign()  # what `appliance db status` reports, instead of "not initialised"
     assert sorted(p.name for p in c.data_dir.iterdir()) == ["PG_VERSION"]
 
 

@@ -193,3 +193,17 @@ def test_a_numbered_file_that_is_not_a_migration_is_refused(tmp_path: Path) -> N
         discover(tmp_path)
     (tmp_path / "migrations" / "0002_b.SQL").rename(tmp_path / "migrations" / "README.md")
     assert [m.name for m in discover(tmp_path)] == ["a"]
+
+
+def test_a_migration_lock_held_too_long_is_named_not_waited_for_forever(empty_db: str) -> None:
+    from appliance.db.migrate import MIGRATION_LOCK_KEY
+
+    with psycopg.connect(empty_db, autocommit=True) as holder:
+        holder.execute("SET application_name = 'stuck-migrator'")
+        holder.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        with pytest.raises(MigrationError, match=r"held the migration lock .*stuck-migrator"):
+            migrate(empty_db, lock_wait=timedelta(milliseconds=300))
+    with psycopg.connect(empty_db) as conn:  # nothing was done, not even the bootstrap
+        assert conn.execute("SELECT to_regnamespace('appliance')").fetchone() == (None,)
+    migrate(empty_db)  # it applies once the lock is free
+    assert _applied(empty_db) != []

@@ -286,3 +286,15 @@ async def test_a_tenant_reads_no_other_tenants_counters_caps_or_name(
     async with db.system_conn() as conn:
         assert await _count(conn, "tenants") == 2
         assert await _count(conn, "tenant_runtime") == 2
+
+
+async def test_a_display_name_is_bounded_and_named_when_wrong(db: Database) -> None:
+    from appliance.db.tenant_store import PgTenantStore
+    from appliance.domain.errors import InvalidInput
+
+    tenants = PgTenantStore(db)
+    for bad in ("", "x" * 201, "a\x00b"):
+        with pytest.raises(InvalidInput, match="display_name: must be 1-200 characters"):
+            await tenants.add("initech", display_name=bad)
+    assert not await tenants.exists("initech")
+    assert await tenants.add("initech", display_name="Initech, Inc.")
