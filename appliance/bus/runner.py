@@ -63,6 +63,8 @@ CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
 # deadline if that comes first) had left when it was claimed, and within a heartbeat interval,
 # or it is given back.
 HELD_SHARE_OF_LEASE = 0.25
+# Once stopping, how long the main loop's step in flight may still take (run).
+STOP_GRACE_S = 5.0
 
 
 def _call_status(exc: BaseException) -> tuple[str, str]:
@@ -297,30 +299,36 @@ class Runner:
         ]
         if self.doorbell is not None:
             side.append(asyncio.create_task(self._doorbell_loop(), name="doorbell"))
+        serving = asyncio.create_task(self._serve(stop), name="serve")
+        stopped = asyncio.create_task(stop.wait(), name="stop")
         try:
-            # After every (re)start: sweep for work first, then wait. A sweep is not a poll: work
-            # found now was not missed by the doorbell.
-            await self._resume_waiting()
-            self._wake.set()
-            while not stop.is_set():
-                polled = await self._wait_for_reason()
-                if stop.is_set():
-                    break
-                if polled:
-                    self.stats.polls += 1
-                if self._promote_first:
-                    self._promote_first = False
-                    await self._promote_due()
-                claimed = await self._fill(polled)
-                if claimed and any(self.slots.free(lane) for lane in CLAIM_ORDER):
-                    self._wake.set()  # a full claim may have left more behind
+            await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                # It ends at its next step; a step waiting on a database that does not answer
+                # is cancelled after a grace rather than waited out (a pool's timeout is 30 s).
+                # A claim cancelled after it committed leaves leases that lapse and are
+                # reclaimed.
+                await asyncio.wait({serving}, timeout=STOP_GRACE_S)
+            if not serving.done():
+                log.warning("stopping: the serving loop's database call did not finish in "
+                            "%.0f s; cancelled", STOP_GRACE_S)  # fmt: skip
+                serving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await serving
+            else:
+                serving.result()  # its failure, if any, is this call's
         finally:
+            stopped.cancel()
+            if not serving.done():  # run() itself was cancelled
+                serving.cancel()
             self._stopping = True
             # Every step that waits on the database is bounded: with the database down, a
             # stop must still end in about the drain timeout (a service manager kills a stop
             # that takes too long). What is not written lapses and is reclaimed.
             try:
-                async with asyncio.timeout(self.config.drain_timeout.total_seconds() + 15.0):
+                # The handlers' drain timeout, the last second a cancelled one gets, and a
+                # few seconds for the database's part.
+                async with asyncio.timeout(self.config.drain_timeout.total_seconds() + 6.0):
                     await self._drain()
             except TimeoutError:
                 log.error("stopping: the drain took too long (database unreachable?); the "
@@ -334,7 +342,7 @@ class Runner:
             if self._side_claim is not None:
                 self._side_claim.cancel()
             try:
-                async with asyncio.timeout(10.0):
+                async with asyncio.timeout(5.0):
                     await self._flush_acks()
                     await self._give_back_all_held()
                     with contextlib.suppress(Exception):
@@ -346,6 +354,26 @@ class Runner:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(5.0):
                         await self.doorbell.close()
+
+    async def _serve(self, stop: asyncio.Event) -> None:
+        """The main loop: wait for a reason, promote due work when asked, claim into free
+        slots; until `stop` is set."""
+        # After every (re)start: sweep for work first, then wait. A sweep is not a poll: work
+        # found now was not missed by the doorbell.
+        await self._resume_waiting()
+        self._wake.set()
+        while not stop.is_set():
+            polled = await self._wait_for_reason()
+            if stop.is_set():
+                break
+            if polled:
+                self.stats.polls += 1
+            if self._promote_first:
+                self._promote_first = False
+                await self._promote_due()
+            claimed = await self._fill(polled)
+            if claimed and any(self.slots.free(lane) for lane in CLAIM_ORDER):
+                self._wake.set()  # a full claim may have left more behind
 
     async def _stop_watch(self, stop: asyncio.Event) -> None:
         await stop.wait()

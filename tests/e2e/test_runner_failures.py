@@ -424,3 +424,40 @@ def test_interactive_work_is_not_held_up_by_a_batch_backfill(
     assert all(int(r["rounds"]) <= 2 for r in raced), raced  # type: ignore[call-overload]
     ordered = sorted(values)
     assert ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] < 0.5, summary(values)
+
+
+def test_a_stop_while_the_database_does_not_answer_ends_in_bounded_time(
+    fresh_db: Endpoints, procs: RunnerProcs
+) -> None:
+    # The runtime roles may not connect (as when the server is gone) and their connections are
+    # cut. A stop used to wait out a pool timeout at every step (claim, release, acknowledge,
+    # report): 70-100 s, past a service manager's patience.
+    admin = fresh_db.admin
+    enqueue(fresh_db, "slow", 2, prefix="s", context={"sleep": 60})
+    name = procs.start()
+    wait_until(lambda: counts(admin).get("running") == 2, 20, what="2 running")
+    roles = ("appliance_app", "appliance_system")
+    try:
+        for role in roles:
+            admin_exec(
+                admin, sql.SQL("ALTER ROLE {} CONNECTION LIMIT 0").format(sql.Identifier(role))
+            )
+        admin_exec(
+            admin,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE usename IN ('appliance_app', 'appliance_system')",
+        )
+        time.sleep(1.0)
+        began = time.monotonic()
+        procs.signal(name, signal.SIGTERM)
+        assert procs.wait(name, timeout=60) == 0, procs.logs()
+        took = time.monotonic() - began
+    finally:
+        for role in roles:
+            admin_exec(
+                admin, sql.SQL("ALTER ROLE {} CONNECTION LIMIT -1").format(sql.Identifier(role))
+            )
+    print(f"stopped in {took:.1f} s with the database unreachable")
+    # Drain timeout 3 s, then at most 5 s for the loop's step, 6 s for the drain's writes, 5 s
+    # for side tasks and 5 s for the last writes.
+    assert took < 3 + 5 + 6 + 5 + 5 + 3
