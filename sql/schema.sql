@@ -247,6 +247,10 @@ BEGIN
     IF NOT pg_try_advisory_xact_lock(hashtext('appliance.archive')) THEN
         RETURN 0;
     END IF;
+    -- A new month's partition needs the archive to itself: behind a long reader (a backup) it
+    -- waited without end, every later round skipped and readers of the archive queued behind
+    -- it. Now it waits a second and tries again next round (migration 0024).
+    PERFORM set_config('lock_timeout', '1s', true);
     FOR month IN
         SELECT DISTINCT date_trunc('month', v.finished_at AT TIME ZONE 'UTC')::date
         FROM (SELECT finished_at FROM agent_messages
@@ -294,6 +298,10 @@ BEGIN
     FROM gone g;
     GET DIAGNOSTICS moved = ROW_COUNT;
     RETURN moved;
+EXCEPTION WHEN lock_not_available THEN
+    RAISE NOTICE 'archive_messages: the archive is in use (%); trying again next round',
+        SQLERRM;
+    RETURN 0;
 END
 $$;
 
@@ -372,15 +380,25 @@ keys AS (
     FROM req
     ON CONFLICT (tenant, key) DO UPDATE
     -- A live key answers with its message; an expired one is taken over by the new request.
-    SET hits = CASE WHEN ik.expires_at <= excluded.created_at THEN 0 ELSE ik.hits + 1 END,
-        last_hit_at = CASE WHEN ik.expires_at <= excluded.created_at THEN NULL
-                           ELSE excluded.created_at END,
-        message_id = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.message_id
-                          ELSE ik.message_id END,
-        created_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.created_at
-                          ELSE ik.created_at END,
-        expires_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.expires_at
-                          ELSE ik.expires_at END
+    -- Taken over only when its message has left the hot table as well (migration 0024): a
+    -- dead message, or work deferred or held longer than the retention, keeps its key, which
+    -- then lives as long as the message plus a retention from its last hit.
+    SET hits = CASE WHEN ik.expires_at <= excluded.created_at
+                         AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = ik.message_id)
+                    THEN 0 ELSE ik.hits + 1 END,
+        last_hit_at = CASE WHEN ik.expires_at <= excluded.created_at
+                                AND NOT EXISTS (SELECT FROM agent_messages h
+                                                WHERE h.id = ik.message_id)
+                           THEN NULL ELSE excluded.created_at END,
+        message_id = CASE WHEN ik.expires_at <= excluded.created_at
+                               AND NOT EXISTS (SELECT FROM agent_messages h
+                                               WHERE h.id = ik.message_id)
+                          THEN excluded.message_id ELSE ik.message_id END,
+        created_at = CASE WHEN ik.expires_at <= excluded.created_at
+                               AND NOT EXISTS (SELECT FROM agent_messages h
+                                               WHERE h.id = ik.message_id)
+                          THEN excluded.created_at ELSE ik.created_at END,
+        expires_at = greatest(ik.expires_at, excluded.expires_at)
     RETURNING ik.tenant, ik.key, ik.message_id, ik.hits = 0 AS new
 ),
 inserted AS (
@@ -450,6 +468,10 @@ BEGIN
                   WHERE d.ctid >= format('(%s,0)', first_block)::tid
                     AND d.ctid < format('(%s,0)', first_block + window_pages)::tid
                     AND d.expires_at <= at
+                    -- A key outlives its hot row (migration 0024): never purged while its
+                    -- message is still in the envelope (dead, or waiting longer than the
+                    -- retention); a later sweep takes it once the message is archived.
+                    AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = d.message_id)
                   ORDER BY d.ctid
                   LIMIT p_batch
                   FOR UPDATE SKIP LOCKED))

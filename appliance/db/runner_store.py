@@ -165,9 +165,10 @@ class PgRunnerStore(PgMessageStore):
         return int(row["moved"]) if row else 0
 
     async def purge_keys(self, *, batch: int = 1000, now: datetime | None = None) -> int:
-        """Delete one bounded batch of expired idempotency keys; how many. An
-        expired key answers no duplicate any more (a new request takes it over), so this
-        changes no answer; it keeps the table from growing with every source id ever seen."""
+        """Delete one bounded batch of expired idempotency keys whose messages have left
+        the hot table; how many. Such a key answers no duplicate any more (a new request takes
+        it over), so this changes no answer; it keeps the table from growing with every source
+        id ever seen. A key whose message is still in the envelope is kept (migration 0024)."""
         async with self.db.system_conn() as conn:
             row = await (
                 await conn.execute(q("idempotency_keys_purge"), {"batch": batch, "now": now})

@@ -43,6 +43,7 @@ TYPES = {
     "batch": "integer",
     "tiers": "text[]",
     "earlier_months_only": "boolean",
+    "tenant": "text",
     "lanes": "lane[]",
 }
 
@@ -113,6 +114,7 @@ async def test_resuming_work_held_in_earlier_months_reads_no_hold_of_this_month(
             "batch": 500,
             "now": datetime(2031, 3, 15, tzinfo=UTC),  # the holds' month (fixed: no rollover)
             "earlier_months_only": True,
+            "tenant": None,
         }
         await cur.execute(call, stale)  # the kept plan, made while nothing is held
         await admin_sql(

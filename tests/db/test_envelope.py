@@ -148,12 +148,24 @@ async def test_duplicates_inside_one_batch(bus: Bus) -> None:
     assert results[0].id == results[2].id
 
 
-async def test_key_reused_after_retention(bus: Bus) -> None:
+async def test_key_reused_after_retention_once_its_message_left(bus: Bus, db: Database) -> None:
     short = Bus(bus.store, BusConfig(idempotency_retention=timedelta(days=1)))
     first = await short.enqueue(now=T0, **vars_of(req(bus, "old")))
     dup = await short.enqueue(now=T0 + timedelta(hours=23), **vars_of(req(bus, "old")))
-    later = await short.enqueue(now=T0 + timedelta(days=2), **vars_of(req(bus, "old")))
     assert first.new and not dup.new and dup.id == first.id
+    # Past the retention, but its message is still in the envelope (pending): a duplicate. It
+    # was taken over, and the same work enqueued twice (migration 0024).
+    kept = await short.enqueue(now=T0 + timedelta(days=2), **vars_of(req(bus, "old")))
+    assert not kept.new and kept.id == first.id
+    # Done and archived: the key (renewed by that hit until T0 + 3 days) then serves new work.
+    (m,) = await bus.claim("w", now=T0 + timedelta(days=2))
+    await bus.complete(m.lease, None, now=T0 + timedelta(days=2))
+    async with db.system_conn() as conn:
+        await conn.execute(
+            "SELECT archive_messages(%s, 100, %s)", (T0 + timedelta(days=3), T0 + timedelta(days=3))
+        )
+    assert await short.enqueue(now=T0 + timedelta(days=2.5), **vars_of(req(bus, "old"))) == dup
+    later = await short.enqueue(now=T0 + timedelta(days=4), **vars_of(req(bus, "old")))
     assert later.new and later.id != first.id
 
 

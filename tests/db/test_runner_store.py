@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -24,7 +25,7 @@ from appliance.db.spend_store import PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.envelope import Lane, LeaseRef, MessageStatus, idempotency_key
 from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
-from appliance.domain.ports import AckOutcome, Completion
+from appliance.domain.ports import AckOutcome, Completion, FailOutcome
 from appliance.domain.schedule import Schedule
 from appliance.scheduler import Maintenance, fire, latest_fire_time
 from tests.db.plans import (
@@ -459,37 +460,57 @@ async def _keys(db: Database) -> dict[str, datetime]:
     return {r["key"]: r["expires_at"] for r in rows}
 
 
+async def _finish_and_archive(store: PgRunnerStore, at: datetime) -> None:
+    """Run everything pending to done at `at` and move it to the archive: out of the hot
+    table, where a key may expire (migration 0024)."""
+    while done := await claim(store, limit=100, now=at):
+        await store.complete([Completion(m.lease) for m in done], actor="w", now=at)
+    while await store.archive(retention=timedelta(0), now=at + timedelta(seconds=1)):
+        pass
+
+
 async def test_expired_idempotency_keys_are_purged_in_batches(
     rstore: PgRunnerStore, db: Database
 ) -> None:
-    """Keys past their retention are deleted a bounded batch at a time; live
-    keys, and a key renewed by a new request, stay; a purged key's next request is new."""
+    """Keys past their retention whose messages have left the hot table are deleted a bounded
+    batch at a time; live keys, a key renewed by a new request, and the key of a message still
+    in the envelope stay; a purged key's next request is new."""
     day = timedelta(days=1)
     bus = Bus(rstore, BusConfig(idempotency_retention=day))
-    old = await bus.enqueue_many([req(bus, f"old-{i}") for i in range(3)], now=T0)
-    live = await bus.enqueue_many([req(bus, "live")], now=T0 + 2 * day)
-    # Renewed: expired at T0 + 1 day, taken over by a new request after that.
-    await bus.enqueue_many([req(bus, "renewed")], now=T0)
-    renewed = await bus.enqueue_many([req(bus, "renewed")], now=T0 + 1.5 * day)
+    old = await bus.enqueue_many([req(bus, f"old-{i}", stage="c") for i in range(3)], now=T0)
+    await bus.enqueue_many([req(bus, "renewed", stage="c")], now=T0)
+    await _finish_and_archive(rstore, T0)
+    # Dead, so kept in the envelope (re-drivable): its key must outlive its retention.
+    (dead,) = await bus.enqueue_many([req(bus, "dead", stage="c", max_attempts=1)], now=T0)
+    (m,) = await claim(rstore, now=T0)
+    failed = await rstore.fail(m.lease, error="x", retry_delay=timedelta(0), actor="w", now=T0)
+    assert failed is FailOutcome.DEAD
+    live = await bus.enqueue_many([req(bus, "live", stage="c")], now=T0 + 2 * day)
+    # Renewed: expired at T0 + 1 day, its message archived: taken over by a new request.
+    renewed = await bus.enqueue_many([req(bus, "renewed", stage="c")], now=T0 + 1.5 * day)
     assert renewed[0].new
     at = T0 + 1.6 * day
     assert await rstore.purge_keys(batch=2, now=at) == 2
     assert await rstore.purge_keys(batch=2, now=at) == 1
     assert await rstore.purge_keys(batch=2, now=at) == 0
     left = await _keys(db)
-    assert len(left) == 2 and all(expiry > at for expiry in left.values())
-    again = await bus.enqueue_many([req(bus, "old-0")], now=at)
+    assert len(left) == 3  # live, renewed, and dead's (expired, but its message is hot)
+    again = await bus.enqueue_many([req(bus, "old-0", stage="c")], now=at)
     assert again[0].new and again[0].id != old[0].id
-    dup = await bus.enqueue_many([req(bus, "live")], now=at)
+    dup = await bus.enqueue_many([req(bus, "live", stage="c")], now=at)
     assert not dup[0].new and dup[0].id == live[0].id
+    # Past its retention, its message still in the envelope: a duplicate, not new work.
+    dup_dead = await bus.enqueue_many([req(bus, "dead", stage="c")], now=at)
+    assert not dup_dead[0].new and dup_dead[0].id == dead.id
 
     # One purger at a time: while another holds the lock, a purge does nothing.
     expired_at = T0 + 10 * day
+    await _finish_and_archive(rstore, expired_at)
     with psycopg.connect(db.endpoints.admin) as other:
         other.execute("SELECT pg_advisory_xact_lock(hashtext('appliance.purge_keys'))")
         assert await rstore.purge_keys(now=expired_at) == 0
     assert await rstore.purge_keys(now=expired_at) == 3  # live, renewed, old-0 again
-    assert await _keys(db) == {}
+    assert len(await _keys(db)) == 1  # the dead message's, as long as it stays
 
 
 async def test_maintenance_rounds_drain_in_bounded_batches(rstore: PgRunnerStore) -> None:
@@ -782,3 +803,21 @@ async def test_maintenance_stop_lets_jobs_in_flight_finish(rstore: PgRunnerStore
     await maintenance.stop(timeout=5)
     assert finished.is_set()
     assert not maintenance.scheduler.running
+
+
+async def test_archiving_behind_a_long_reader_of_the_archive_skips_the_round(
+    rstore: PgRunnerStore, db: Database
+) -> None:
+    # A new month's partition needs the archive to itself. Behind a reader (a backup) the
+    # archiver waited without end, and readers of the archive queued behind it (0024).
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, "a", stage="c")], now=T0)
+    (m,) = await claim(rstore, now=T0)
+    await rstore.complete([Completion(m.lease)], actor="w", now=T0)
+    with psycopg.connect(db.endpoints.admin) as reader:
+        reader.execute("LOCK appliance.agent_messages_archive IN ACCESS SHARE MODE")
+        began = time.monotonic()
+        assert await rstore.archive(retention=timedelta(0), now=T0 + timedelta(seconds=1)) == 0
+        assert time.monotonic() - began < 5
+    assert await rstore.archive(retention=timedelta(0), now=T0 + timedelta(seconds=1)) == 1
+    assert await bus.get("acme", m.id) is not None  # read from the archive
