@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -22,6 +23,10 @@ from appliance.domain.ports import Doorbell
 from appliance.domain.schedule import Schedule
 
 log = logging.getLogger("appliance.scheduler")
+# How long one round of archiving or purging may go on while its batches come back full: ten
+# batches of 1,000 a minute (the old bound) fell behind any sustained rate over about 170
+# messages a second, and the hot and key tables grew without end.
+UPKEEP_ROUND_S = 5.0
 
 EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
@@ -224,16 +229,26 @@ class Maintenance:
             log.exception("expire failed")
 
     async def _batches(
-        self, step: Callable[[], Awaitable[int]], full: int | None = None
+        self,
+        step: Callable[[], Awaitable[int]],
+        full: int | None = None,
+        *,
+        budget_s: float | None = None,
     ) -> AsyncIterator[int]:
         """Run `step` (one bounded batch of `full` rows, archive_batch unless given, returning
-        how many rows it handled) until a short batch says it is done, at most ten times a
-        round: a backlog drains over a few rounds, never in one long lock. Yields each batch's
-        count as it lands."""
-        for _ in range(10):
+        how many rows it handled) until a short batch says it is done: at most ten times a
+        round, or with `budget_s` for as long as that many seconds allow. Each batch is its
+        own statement, so a backlog drains without one long lock. Yields each batch's count as
+        it lands."""
+        ends = time.monotonic() + budget_s if budget_s is not None else None
+        rounds = 0
+        while True:
             done = await step()
+            rounds += 1
             yield done
             if done < (self.archive_batch if full is None else full):
+                return
+            if (rounds >= 10) if ends is None else (time.monotonic() >= ends):
                 return
 
     async def archive(self) -> None:
@@ -242,7 +257,8 @@ class Maintenance:
             async for moved in self._batches(
                 lambda: self.store.archive(
                     retention=self.archive_retention, batch=self.archive_batch
-                )
+                ),
+                budget_s=UPKEEP_ROUND_S,
             ):
                 self.archived += moved
         except Exception:
@@ -252,7 +268,7 @@ class Maintenance:
         """Delete expired idempotency keys, in bounded batches like the archive."""
         try:
             async for purged in self._batches(
-                lambda: self.store.purge_keys(batch=self.archive_batch)
+                lambda: self.store.purge_keys(batch=self.archive_batch), budget_s=UPKEEP_ROUND_S
             ):
                 self.keys_purged += purged
         except Exception:
@@ -264,7 +280,10 @@ class Maintenance:
         spend = self.spend
         try:
             async for purged in self._batches(
-                lambda: spend.purge_run_budgets(idle=self.run_budget_idle, batch=self.archive_batch)
+                lambda: spend.purge_run_budgets(
+                    idle=self.run_budget_idle, batch=self.archive_batch
+                ),
+                budget_s=UPKEEP_ROUND_S,
             ):
                 self.budgets_purged += purged
         except Exception:

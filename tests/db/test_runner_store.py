@@ -515,13 +515,14 @@ async def test_expired_idempotency_keys_are_purged_in_batches(
 
 async def test_maintenance_rounds_drain_in_bounded_batches(rstore: PgRunnerStore) -> None:
     """One maintenance round archives, and purges expired keys and idle run budgets, batch
-    after batch until a short batch, and counts every row (batches of 2 here: 2 + 2 + 1)."""
+    after batch until a short batch (or its time is up), and counts every row: batches of 2
+    here, 13 of them, past the ten a round that once capped the rate the tables drain at."""
     bus = Bus(rstore, BusConfig(idempotency_retention=timedelta(days=1)))
-    await bus.enqueue_many([req(bus, f"r{i}", stage="c") for i in range(5)], now=T0)
-    done = await claim(rstore)
+    await bus.enqueue_many([req(bus, f"r{i}", stage="c") for i in range(25)], now=T0)
+    done = await claim(rstore, limit=25)
     await rstore.complete([Completion(m.lease) for m in done], actor="w", now=T0)
     spend = PgSpendStore(rstore.db)
-    for i in range(5):
+    for i in range(25):
         await spend.run_reserve(
             tenant="acme", source="t", source_id=f"r{i}", pipeline="chain", limits={},
             reserve=Decimal(0), verification=False, ask={"steps": 1}, now=T0,
@@ -532,7 +533,11 @@ async def test_maintenance_rounds_drain_in_bounded_batches(rstore: PgRunnerStore
     await maintenance.archive()  # the real clock: T0 is past the 7-day retention
     await maintenance.purge_keys()  # and past the keys' one-day retention
     await maintenance.purge_run_budgets()  # and the runs have been idle for longer than a day
-    assert (maintenance.archived, maintenance.keys_purged, maintenance.budgets_purged) == (5, 5, 5)
+    assert (maintenance.archived, maintenance.keys_purged, maintenance.budgets_purged) == (
+        25,
+        25,
+        25,
+    )
 
 
 async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoints) -> None:
