@@ -193,6 +193,7 @@ def status_json(st: BusStatus) -> dict[str, Any]:
         "reclaims_last_hour": st.reclaims_last_hour,
         "dedup_keys_hit_last_hour": st.dedup_keys_hit_last_hour,
         "stages": st.stages,
+        "overdue": st.overdue,
         "lanes": {
             lane.value: {s.value: n for s, n in counts.counts.items()}
             for lane, counts in st.lanes.items()
@@ -257,6 +258,19 @@ def status_text(st: BusStatus) -> str:
         f"runners: {len(alive)} alive; listener {'connected' if listening else 'NOT connected'};"
         f" last poll that found missed work: {_age(min(missed)) + ' ago' if missed else 'never'}"
     )
+    late = {k: n for k, n in st.overdue.items() if n}
+    if late:
+        words = {
+            "leases_expired": "leases expired, not reclaimed",
+            "due_not_promoted": "deferred messages due, not promoted",
+            "past_deadline": "messages past their deadline, not expired",
+            "waits_expired": "waits past their expiry, not ended",
+        }
+        lines.append(
+            "OVERDUE: "
+            + "; ".join(f"{n} {words.get(k, k)}" for k, n in late.items())
+            + (" (maintenance runs in every runner: none is alive)" if not alive else "")
+        )
     lines.append(
         f"last hour: {st.reclaims_last_hour} reclaims, "
         f"{st.dedup_keys_hit_last_hour} idempotency keys hit by duplicates"

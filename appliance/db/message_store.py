@@ -535,6 +535,7 @@ class PgMessageStore:
         """Counts by lane and status, and the ages that show stuck work."""
         async with self.db.system_conn() as conn:
             rows = await (await conn.execute(q("bus_status"), {"now": now})).fetchall()
+            overdue = await (await conn.execute(q("bus_overdue"), {"now": now})).fetchone()
             clock = await (await conn.execute("SELECT now() AS at")).fetchone()
             tenants = await (await conn.execute(q("tenant_count"))).fetchone()
         lanes: dict[Lane, LaneCounts] = {}
@@ -553,4 +554,9 @@ class PgMessageStore:
                     lease_age = float(r["oldest_lease_s"])
             lanes[lane] = LaneCounts(counts, pending_age, lease_age, deferred)
         at = now or (clock["at"] if clock else datetime.now().astimezone())
-        return BusStatus(at=at, lanes=lanes, tenants=tenants["n"] if tenants else 0)
+        return BusStatus(
+            at=at,
+            lanes=lanes,
+            tenants=tenants["n"] if tenants else 0,
+            overdue={k: int(v) for k, v in (overdue or {}).items()},
+        )

@@ -124,6 +124,9 @@ class BusStatus:
     reclaims_last_hour: int = 0
     dedup_keys_hit_last_hour: int = 0
     stages: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Work past an expiry that maintenance has not moved yet: leases_expired,
+    # due_not_promoted, past_deadline, waits_expired (each counted up to 10,000).
+    overdue: dict[str, int] = field(default_factory=dict)
 
 
 class MessageStore(Protocol):

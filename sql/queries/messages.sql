@@ -226,6 +226,29 @@ WHERE status = 'dead'
   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
 RETURNING id;
 
+-- name: bus_overdue :one
+-- Work past an expiry that the maintenance has not moved yet (each counted up to 10,000, on its partial index): leases expired, deferred work due but not promoted, work past its deadline, waits past their expiry. Non-zero for long means no runner's maintenance is running.
+SELECT
+    (SELECT count(*) FROM (SELECT FROM agent_messages m
+                           WHERE m.status = 'running' AND m.lease_expires_at < clock(%(now)s)
+                           LIMIT 10000) x) AS leases_expired,
+    (SELECT count(*) FROM (SELECT FROM agent_messages m
+                           WHERE m.status = 'pending' AND m.deferred
+                             AND m.lane = ANY (enum_range(NULL::lane))
+                             AND m.not_before <= clock(%(now)s)
+                           LIMIT 10000) x) AS due_not_promoted,
+    (SELECT count(*) FROM (SELECT FROM agent_messages m
+                           WHERE m.deadline IS NOT NULL AND m.deadline < clock(%(now)s)
+                             AND m.status IN ('pending', 'awaiting_approval', 'held_budget',
+                                              'waiting_capability')
+                           LIMIT 10000) x) AS past_deadline,
+    (SELECT count(*) FROM (SELECT FROM agent_messages m
+                           WHERE m.wait_expires_at IS NOT NULL
+                             AND m.wait_expires_at < clock(%(now)s)
+                             AND m.status IN ('awaiting_approval', 'held_budget',
+                                              'waiting_capability')
+                           LIMIT 10000) x) AS waits_expired;
+
 -- name: message_get :one
 -- One message by id, from the hot table or the archive (row-level security limits it to the transaction's tenant).
 SELECT * FROM agent_messages WHERE id = %(id)s

@@ -391,6 +391,27 @@ async def test_status_counts_and_ages(bus: Bus) -> None:
     assert st.tenants == 2
 
 
+async def test_status_names_work_past_an_expiry_that_maintenance_has_not_moved(
+    bus: Bus,
+) -> None:
+    # With no runner's maintenance running, such work showed only as old pending ages.
+    await bus.enqueue(now=T0, **vars_of(req(bus, "lease")))
+    await bus.claim("w", lease=timedelta(seconds=30), now=T0)
+    await bus.enqueue(now=T0, not_before=T0 + timedelta(minutes=5), **vars_of(req(bus, "later")))
+    await bus.enqueue(now=T0, deadline=T0 + timedelta(minutes=1), **vars_of(req(bus, "late")))
+    at = T0 + timedelta(minutes=10)
+    assert (await bus.status(now=T0)).overdue == {
+        "leases_expired": 0, "due_not_promoted": 0, "past_deadline": 0, "waits_expired": 0,
+    }  # fmt: skip
+    assert (await bus.status(now=at)).overdue == {
+        "leases_expired": 1, "due_not_promoted": 1, "past_deadline": 1, "waits_expired": 0,
+    }  # fmt: skip
+    await bus.reclaim(now=at)
+    await bus.promote_due(now=at)
+    await bus.expire(now=at)
+    assert set((await bus.status(now=at)).overdue.values()) == {0}
+
+
 async def test_batched_completion(bus: Bus) -> None:
     await bus.enqueue_many([req(bus, str(i)) for i in range(20)])
     claimed = await bus.claim("w", limit=20)
