@@ -179,6 +179,8 @@ def tier_specs(settings: Settings) -> list[TierSpec]:
             TierSpec.of(
                 entry,
                 verified.path,
+                tier=tier,
+                file_stamp=verified.stamp,
                 workers=ts.workers,
                 n_ctx=ts.n_ctx,
                 n_threads=ts.n_threads,

@@ -47,10 +47,19 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def file_stamp(path: Path) -> tuple[int, int, int, int]:
+    """Identity and version of a file as the file system keeps them (device, inode, size,
+    modification time in ns): cheap to compare with the stamp taken when it was verified."""
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 @dataclass(frozen=True)
 class Verified:
     entry: ModelEntry
     path: Path
+    # The file as it was when hashed: a later load compares it, and hashes again if it moved.
+    stamp: tuple[int, int, int, int] | None = None
 
 
 class ModelCache:
@@ -71,6 +80,13 @@ class ModelCache:
                 f"model {entry.name} ({entry.tier.value}) is not in the model cache ({path}): "
                 f"run `appliance models fetch`"
             )
+        stamp = file_stamp(path)
+        if stamp[2] != entry.size:
+            # Wrong size: no need to read gigabytes to know it does not match.
+            raise VerificationError(
+                f"model {entry.name} at {path} does not match models.lock: expected "
+                f"{entry.size} bytes, found {stamp[2]}; delete it and run `appliance models fetch`"
+            )
         size, digest = sha256_file(path)
         if size != entry.size or digest != entry.sha256:
             raise VerificationError(
@@ -78,7 +94,7 @@ class ModelCache:
                 f"{entry.sha256} ({entry.size} bytes), found {digest} ({size} bytes); "
                 f"delete it and run `appliance models fetch`"
             )
-        return Verified(entry, path)
+        return Verified(entry, path, stamp)
 
     def fetch(self, entry: ModelEntry) -> tuple[Verified, bool]:
         """Make `entry` present and verified; True when it had to be fetched."""
@@ -88,7 +104,12 @@ class ModelCache:
                 return self.verify(entry), False
             except VerificationError as exc:
                 self._log(f"{exc}; fetching it again")
-                path.unlink()
+                try:
+                    path.unlink()
+                except OSError as gone:
+                    raise ConfigurationError(
+                        f"{exc}; and it cannot be deleted ({gone.strerror}): remove it by hand"
+                    ) from None
         if not entry.sources:
             raise ConfigurationError(
                 f"model {entry.name} has no sources in models.lock: side-load it with "
@@ -99,9 +120,13 @@ class ModelCache:
             try:
                 self._fetch_from(entry, source)
                 return self.verify(entry), True
-            except VerificationError:
-                raise
-            except (OSError, subprocess.CalledProcessError, zipfile.BadZipFile, KeyError) as exc:
+            except (
+                VerificationError,  # this source holds other bytes: the next may be right
+                OSError,
+                subprocess.CalledProcessError,
+                zipfile.BadZipFile,
+                KeyError,
+            ) as exc:
                 errors.append(f"{source.kind}: {exc}")
                 self._log(f"{entry.name}: source {source.kind} failed: {exc}")
         raise ConfigurationError(f"model {entry.name}: every source failed: {'; '.join(errors)}")

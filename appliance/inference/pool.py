@@ -42,6 +42,7 @@ from appliance.domain.inference import (
     QueueFull,
     Tier,
 )
+from appliance.inference.cache import VerificationError, file_stamp, sha256_file
 from appliance.inference.lockfile import ModelEntry
 
 log = logging.getLogger("appliance.inference")
@@ -62,13 +63,20 @@ class TierSpec:
     n_threads: int | None = None  # None: the cores split evenly over every worker of the pool
     n_gpu_layers: int = 0
     queue: int = 8
+    # The verified file's stamp (cache.file_stamp): a (re)load of a file that changed since is
+    # hashed again first, and refused if it no longer matches.
+    file_stamp: tuple[int, int, int, int] | None = None
 
     @classmethod
-    def of(cls, entry: ModelEntry, path: Path, **resources: Any) -> TierSpec:
-        """The tier of a pinned model whose file at `path` was verified, with `resources`
-        (workers, n_ctx, n_threads, n_gpu_layers, queue) where not the defaults."""
+    def of(
+        cls, entry: ModelEntry, path: Path, *, tier: Tier | None = None, **resources: Any
+    ) -> TierSpec:
+        """A pinned model whose file at `path` was verified, serving `tier` (the profile's
+        tier for it, which may be below the model's own: a stronger model on a weaker tier;
+        the model's own tier when not given), with `resources` (workers, n_ctx, n_threads,
+        n_gpu_layers, queue) where not the defaults."""
         return cls(
-            tier=entry.tier,
+            tier=tier if tier is not None else entry.tier,
             model=entry.name,
             sha256=entry.sha256,
             path=path,
@@ -161,6 +169,15 @@ class _Worker(threading.Thread):
 
     def _build(self) -> None:
         spec = self.tier.spec
+        if spec.file_stamp is not None and file_stamp(spec.path) != spec.file_stamp:
+            # Changed on disk since it was verified (a rebuild after a failed call loads it
+            # again): verified again, never loaded unchecked.
+            size, digest = sha256_file(spec.path)
+            if digest != spec.sha256:
+                raise VerificationError(
+                    f"model {spec.model} at {spec.path} changed since it was verified: sha256"
+                    f" {digest} ({size} bytes), pinned {spec.sha256}; not loaded"
+                )
         # One load at a time in the process: with verbose=False, Llama() points the process's
         # stdout/stderr at /dev/null while it loads and restores them afterwards, which is not
         # thread-safe; two loads at once can leave the whole process silenced.

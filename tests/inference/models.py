@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,8 +25,8 @@ def spec(tier: Tier, **overrides: object) -> TierSpec:
     """A tier of the dev profile, its file verified; skips (with what to run) when not fetched."""
     e = entry(tier)
     try:
-        path = ModelCache().verify(e).path
+        verified = ModelCache().verify(e)
     except ConfigurationError as exc:  # pragma: no cover - scripts/test fetches the models
         pytest.fail(f"{exc} (./scripts/test fetches them)")
-    resources: dict[str, object] = {"workers": 1, "n_ctx": 1024, "n_threads": 1, "queue": 4}
-    return TierSpec.of(e, path, **{**resources, **overrides})
+    resources: dict[str, Any] = {"workers": 1, "n_ctx": 1024, "n_threads": 1, "queue": 4}
+    return TierSpec.of(e, verified.path, file_stamp=verified.stamp, **{**resources, **overrides})

@@ -4,13 +4,17 @@ deadlines, cancellation between tokens, constrained output, and surviving a fail
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
+import shutil
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
+from appliance import runtime
 from appliance.domain.errors import ConfigurationError
 from appliance.domain.inference import (
     CallCancelled,
@@ -24,9 +28,11 @@ from appliance.domain.inference import (
     Tier,
 )
 from appliance.domain.pipeline import parse_output
+from appliance.inference.cache import file_stamp
 from appliance.inference.pool import InferencePool
 from appliance.pipelines.support import CLASSIFY_PROMPT, TicketLabel
-from tests.inference.models import spec
+from appliance.settings import Settings
+from tests.inference.models import LOCK, spec
 
 # A prompt the models keep writing after: long generations for the timing tests.
 RAMBLE = "Here is a very long story about a dragon, told in great detail. Once upon a time,"
@@ -268,3 +274,42 @@ def test_threads_never_exceed_the_cores() -> None:
         [spec(Tier.MECHANICAL, n_threads=None), spec(Tier.REASONING, n_threads=None)], cores=2
     )
     assert [t["n_threads"] for t in pool.stats().values()] == [1, 1]
+
+
+async def test_a_model_file_changed_since_it_was_verified_is_never_loaded(tmp_path: Path) -> None:
+    # A worker rebuilt after a failed call loaded the file again unchecked: a file swapped
+    # since the start was served under the pinned hash.
+    good = spec(Tier.MECHANICAL)
+    copy = tmp_path / good.path.name
+    shutil.copyfile(good.path, copy)
+    stamped = dataclasses.replace(good, path=copy, file_stamp=file_stamp(copy))
+    pool = InferencePool([stamped], cores=2)
+    await pool.start()
+    try:
+        assert pool.health()["mechanical"]["up"]
+        with copy.open("r+b") as f:  # one byte flipped, as by a bad disk or a swapped file
+            f.seek(4096)
+            byte = f.read(1)
+            f.seek(4096)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        huge = InferenceRequest("extract", prompt="word " * 3000, max_tokens=8)
+        with pytest.raises(InferenceError):
+            await pool.infer(huge, Tier.MECHANICAL)  # fails, and the worker is rebuilt
+        assert not pool.health()["mechanical"]["up"]
+        assert "changed since it was verified" in str(pool.health()["mechanical"])
+    finally:
+        await pool.close()
+
+
+def test_a_stronger_model_serves_the_weaker_tier_a_profile_gives_it(tmp_path: Path) -> None:
+    lock = tmp_path / "models.lock"
+    lock.write_text(
+        LOCK.read_text()
+        + '\n[profiles.up]\nmechanical = "gemma3-270m-q4_k_m"\nreasoning = "gemma3-270m-q4_k_m"\n'
+    )
+    settings = Settings(inference={"profile": "up", "lock": lock})  # type: ignore[arg-type]
+    specs = runtime.tier_specs(settings)
+    assert [(s.tier, s.model) for s in specs] == [
+        (Tier.MECHANICAL, "gemma3-270m-q4_k_m"),
+        (Tier.REASONING, "gemma3-270m-q4_k_m"),
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from appliance.domain.errors import ConfigurationError, InvalidInput
 from appliance.domain.inference import Tier
+from appliance.inference.cache import ModelCache
 from appliance.inference.lockfile import FileSource, ModelEntry, append_entry, load_lock
 
 LOCK = Path(__file__).resolve().parents[2] / "models.lock"
@@ -70,3 +72,28 @@ def test_append_entry_keeps_the_file_and_adds_a_profile(tmp_path: Path) -> None:
         append_entry(lock_path, entry)
     with pytest.raises(InvalidInput, match="profile 'dev' exists"):
         append_entry(lock_path, entry.model_copy(update={"name": "other"}), profile="dev")
+
+
+def _entry(data: bytes, sources: list[FileSource]) -> ModelEntry:
+    return ModelEntry(
+        name="tiny", tier=Tier.MECHANICAL, file="tiny.gguf", size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(), license="test", context_length=64,
+        chat_format="chatml", sources=list(sources),
+    )  # fmt: skip
+
+
+def test_a_source_with_other_bytes_is_passed_over_for_the_next(tmp_path: Path) -> None:
+    # "Tried in order": a corrupt first source stopped the fetch before the good second one.
+    data = b"GGUF" + bytes(range(256)) * 4
+    bad, good = tmp_path / "bad.gguf", tmp_path / "good.gguf"
+    bad.write_bytes(data[:-1] + b"\x00")
+    good.write_bytes(data)
+    entry = _entry(data, [FileSource(kind="file", path=bad), FileSource(kind="file", path=good)])
+    cache = ModelCache(tmp_path / "cache")
+    verified, fetched = cache.fetch(entry)
+    assert fetched and verified.path.read_bytes() == data
+    # Every source wrong: one error naming them all, and nothing left in the cache.
+    only_bad = _entry(data, [FileSource(kind="file", path=bad)])
+    with pytest.raises(ConfigurationError, match="every source failed: file: model tiny"):
+        ModelCache(tmp_path / "other").fetch(only_bad)
+    assert not ModelCache(tmp_path / "other").path(only_bad).exists()
