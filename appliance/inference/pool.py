@@ -101,6 +101,12 @@ class _Stop(Exception):
         self.tokens = tokens
 
 
+class _RequestError(Exception):
+    """A call that failed because of what it asked (a prompt longer than the context, a schema
+    llama.cpp cannot turn into a grammar, a token callback that raised): the model is fine, so
+    the worker is not rebuilt (a reload of a large model, for every bad request)."""
+
+
 @dataclass(eq=False)
 class _Job:
     request: InferenceRequest
@@ -297,6 +303,10 @@ class _Worker(threading.Thread):
                 f"the call ran past its timeout of {job.timeout:.1f} s; generation stopped "
                 f"after {stop.tokens} tokens"
             )
+        except _RequestError as exc:
+            self._after_stop()
+            tier.count(requests_failed=1)
+            return InferenceError(f"{tier.spec.model}: {exc}")
         except Exception as exc:
             tier.count(requests_failed=1)
             log.warning("%s: call failed (%s); rebuilding the worker", self.name, exc)
@@ -345,16 +355,32 @@ class _Worker(threading.Thread):
                     raise _Stop("timeout", generated)
                 generated += 1
                 if job.on_token is not None:
-                    job.on_token(generated)
+                    try:
+                        job.on_token(generated)
+                    except Exception as exc:
+                        raise _RequestError(
+                            f"the token callback raised {type(exc).__name__}: {exc}"
+                        ) from exc
                 return False
 
-            prompt, stop = self.tier.render(request)
-            schema = request.json_schema
-            grammar = (
-                LlamaGrammar.from_json_schema(json.dumps(dict(schema)), verbose=False)
-                if schema is not None
-                else None
-            )
+            try:
+                prompt, stop = self.tier.render(request)
+                schema = request.json_schema
+                grammar = (
+                    LlamaGrammar.from_json_schema(json.dumps(dict(schema)), verbose=False)
+                    if schema is not None
+                    else None
+                )
+                prompt_tokens_n = len(llama.tokenize(prompt.encode("utf-8"), special=True))
+            except Exception as exc:
+                raise _RequestError(
+                    f"the request cannot be run: {type(exc).__name__}: {exc}"
+                ) from exc
+            if prompt_tokens_n >= llama.n_ctx():
+                raise _RequestError(
+                    f"the prompt is {prompt_tokens_n} tokens, the context holds"
+                    f" {llama.n_ctx()}: shorten it"
+                )
             response: Any = llama.create_completion(
                 prompt=prompt,
                 grammar=grammar,

@@ -212,15 +212,28 @@ async def test_a_call_timeout_stops_generation(mechanical1: InferencePool) -> No
 
 
 async def test_a_failing_call_leaves_the_pool_serving(mechanical1: InferencePool) -> None:
-    # More tokens than the context holds: llama.cpp refuses the request.
+    # More tokens than the context holds, a schema llama.cpp cannot make a grammar of, a token
+    # callback that raises: each fails its call, named, and the model is not reloaded for it
+    # (it was, once per bad request: seconds for a large model, the worker held meanwhile).
     huge = InferenceRequest("extract", prompt="word " * 3000, max_tokens=8)
-    with pytest.raises(InferenceError):
+    with pytest.raises(InferenceError, match=r"the prompt is \d+ tokens, the context holds 1024"):
         await mechanical1.infer(huge, Tier.MECHANICAL)
+    odd = InferenceRequest(
+        "extract", prompt="Hi", max_tokens=4, json_schema={"type": "no-such-type"}
+    )
+    with pytest.raises(InferenceError, match="the request cannot be run"):
+        await mechanical1.infer(odd, Tier.MECHANICAL)
+
+    def explode(_n: int) -> None:
+        raise RuntimeError("meter gone")
+
+    with pytest.raises(InferenceError, match="the token callback raised RuntimeError"):
+        await mechanical1.infer(ramble(8), Tier.MECHANICAL, control=CallControl(on_token=explode))
     ok = await mechanical1.infer(ramble(4), Tier.MECHANICAL)
     assert ok.completion_tokens >= 1
     stats = mechanical1.stats()["mechanical"]
-    assert stats["requests_failed"] == 1
-    assert stats["rebuilds"] == 1
+    assert stats["requests_failed"] == 3
+    assert stats["rebuilds"] == 0
     assert stats["workers_alive"] == 1
     assert mechanical1.health()["mechanical"]["up"]
 
@@ -278,7 +291,7 @@ def test_threads_never_exceed_the_cores() -> None:
 
 async def test_a_model_file_changed_since_it_was_verified_is_never_loaded(tmp_path: Path) -> None:
     # A worker rebuilt after a failed call loaded the file again unchecked: a file swapped
-    # since the start was served under the pinned hash.
+    # since the start was served under the pinned hash. Every load checks its stamp.
     good = spec(Tier.MECHANICAL)
     copy = tmp_path / good.path.name
     shutil.copyfile(good.path, copy)
@@ -292,9 +305,9 @@ async def test_a_model_file_changed_since_it_was_verified_is_never_loaded(tmp_pa
             byte = f.read(1)
             f.seek(4096)
             f.write(bytes([byte[0] ^ 0xFF]))
-        huge = InferenceRequest("extract", prompt="word " * 3000, max_tokens=8)
-        with pytest.raises(InferenceError):
-            await pool.infer(huge, Tier.MECHANICAL)  # fails, and the worker is rebuilt
+        # Loaded again (as a worker is rebuilt after a call fails): refused, never served.
+        await pool.stop_tier(Tier.MECHANICAL)
+        await pool.start_tier(stamped)
         assert not pool.health()["mechanical"]["up"]
         assert "changed since it was verified" in str(pool.health()["mechanical"])
     finally:
