@@ -310,10 +310,25 @@ async def run_runner(settings: Settings, stop: asyncio.Event) -> None:
     config = runner_config(settings)
     # Models first: a missing or corrupted model stops the runner before it touches the bus.
     meter = build_meter(settings) if settings.inference.enabled else None
-    pool = build_pool(settings, meter)
+    # Hashing gigabytes of model files takes seconds: off the event loop, so a SIGTERM meanwhile
+    # is still handled.
+    pool = await asyncio.to_thread(build_pool, settings, meter)
     ticking = None
     if pool is not None:
         await pool.start()
+        down = {t: h for t, h in pool.health().items() if not h["up"]}
+        if down:
+            # A model that will not load is a configuration to fix, not a runner to start: its
+            # tier's work would wait, parked, until it expired.
+            await pool.close()
+            raise ConfigurationError(
+                "inference: "
+                + "; ".join(
+                    f"tier {t} could not load its model ({', '.join(h['errors']) or 'no worker'})"
+                    for t, h in down.items()
+                )
+                + " (set its workers to 0 to run without it)"
+            )
     if meter is not None:
         ticking = asyncio.create_task(
             tick_meter(meter, settings.metering.sample_seconds, stop), name="energy-sampler"

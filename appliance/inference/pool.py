@@ -500,6 +500,7 @@ class TierPool:
                 raise CapabilityUnavailable(job.request.kind, self.spec.tier)
             idle = sum(1 for w in self.workers if w.alive and not w.busy)
             if len(self._queue) - idle >= self.spec.queue:
+                self.stats.requests_refused += 1  # under _cond, as count() does
                 raise QueueFull(f"{self.spec.tier.value} queue is full ({self.spec.queue} waiting)")
             self._queue.append(job)
             self._cond.notify()

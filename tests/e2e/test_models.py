@@ -4,6 +4,7 @@ the real models of models.lock."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -115,6 +116,35 @@ def test_a_fetch_that_does_not_match_its_pin_is_deleted_and_names_both_hashes(
     assert f"expected sha256 {'ab' * 32}" in fetched.stderr
     assert "got " in fetched.stderr and "the file was deleted" in fetched.stderr
     assert not list(cache.rglob("*.gguf")) and not list(cache.rglob(".fetch-*"))
+
+
+def test_a_pinned_file_that_will_not_load_stops_the_runner_before_the_bus(
+    tmp_path: Path, fresh_db: Endpoints
+) -> None:
+    # Verified (its pin is its own hash) but no model: llama.cpp cannot load it. The runner
+    # used to serve on without the tier, its work parked until it expired.
+    junk = b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 56
+    digest = hashlib.sha256(junk).hexdigest()
+    cache = tmp_path / "cache"
+    (cache / digest).mkdir(parents=True)
+    (cache / digest / "junk.gguf").write_bytes(junk)
+    lock = tmp_path / "models.lock"
+    lock.write_text(
+        'version = 1\n[profiles.test]\nmechanical = "junk"\n\n[[models]]\nname = "junk"\n'
+        f'tier = "mechanical"\nfile = "junk.gguf"\nsize = {len(junk)}\nsha256 = "{digest}"\n'
+        'license = "test"\ncontext_length = 512\nchat_format = "chatml"\n'
+    )
+    env = base_env(
+        APPLIANCE_MODEL_CACHE=str(cache),
+        APPLIANCE_INFERENCE__LOCK=str(lock),
+        APPLIANCE_INFERENCE__PROFILE="test",
+        APPLIANCE_DATABASE_URL=fresh_db.admin,
+        APPLIANCE_RUNNER__PIPELINES='["support"]',
+    )
+    runner = run(env, "runner")
+    assert runner.returncode == 2, runner.stderr
+    assert "tier mechanical could not load its model" in runner.stderr
+    assert query(fresh_db.admin, "SELECT count(*) AS n FROM runners")[0]["n"] == 0
 
 
 def test_models_add_side_loads_a_file_into_the_cache_and_the_lock(tmp_path: Path) -> None:

@@ -122,6 +122,7 @@ async def test_a_full_queue_refuses_instead_of_queueing(mechanical2: InferencePo
         await mechanical2.infer(ramble(), Tier.MECHANICAL)
     await asyncio.gather(*calls)
     assert mechanical2.room(Tier.MECHANICAL) == 3
+    assert mechanical2.stats()["mechanical"]["requests_refused"] == 1  # counted, as in status
 
 
 async def test_constrained_classification_returns_a_label_for_every_ticket(
