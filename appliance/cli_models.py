@@ -6,10 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from appliance.domain.errors import ApplianceError, InvalidInput
 from appliance.domain.inference import Tier
 from appliance.inference.cache import sha256_file
 from appliance.inference.lockfile import FileSource, ModelEntry, append_entry
+from appliance.inference.pool import chat_format_known
 from appliance.runtime import model_cache, model_lock
 from appliance.settings import Settings
 
@@ -77,18 +80,34 @@ def cmd_models(settings: Settings, args: argparse.Namespace) -> int:
             raise InvalidInput("path", f"{path} is not a file")
         if path.suffix != ".gguf":
             raise InvalidInput("path", f"{path.name}: a model file is a .gguf file")
+        # Everything that can be checked before hashing and copying gigabytes is checked first,
+        # so that a refused add leaves nothing behind.
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise InvalidInput("path", f"{path} is not a GGUF model (no GGUF header)")
+        if not chat_format_known(args.chat_format):
+            raise InvalidInput(
+                "chat_format", f"llama.cpp has no chat format {args.chat_format!r} (e.g. chatml)"
+            )
+        if any(m.name == args.name for m in model_lock(settings).models):
+            raise InvalidInput("name", f"models.lock already has a model named {args.name!r}")
         size, digest = sha256_file(path)
-        entry = ModelEntry(
-            name=args.name,
-            tier=Tier(args.tier),
-            file=path.name,
-            size=size,
-            sha256=digest,
-            license=args.license,
-            context_length=args.context_length,
-            chat_format=args.chat_format,
-            sources=[FileSource(kind="file", path=path.resolve())],
-        )
+        try:
+            entry = ModelEntry(
+                name=args.name,
+                tier=Tier(args.tier),
+                file=path.name,
+                size=size,
+                sha256=digest,
+                license=args.license,
+                context_length=args.context_length,
+                chat_format=args.chat_format,
+                sources=[FileSource(kind="file", path=path.resolve())],
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "model"
+            raise InvalidInput(field, f"{first['msg']} (got {first.get('input')!r})") from None
         cache.add(path, entry)
         append_entry(settings.inference.lock, entry, args.profile)
         print(f"added {entry.name} ({entry.tier.value}, {size} bytes, sha256 {digest})")

@@ -89,6 +89,11 @@ class TierSpec:
 _LOAD_LOCK = threading.Lock()
 
 
+def chat_format_known(name: str) -> bool:
+    """Whether llama.cpp has a chat format of this name (how a tier renders chat messages)."""
+    return callable(getattr(llama_chat_format, f"format_{name.replace('-', '_')}", None))
+
+
 def gpu_offload_supported() -> bool:
     """True when this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...)."""
     return bool(llama_cpp.llama_supports_gpu_offload())

@@ -170,6 +170,22 @@ def test_models_add_side_loads_a_file_into_the_cache_and_the_lock(tmp_path: Path
     bad = run(env, "models", "add", str(tmp_path / "nothing.gguf"), "--tier", "mechanical",
               "--name", "x")  # fmt: skip
     assert bad.returncode == 2 and "is not a file" in bad.stderr
+    # Refused before anything is hashed or copied, each naming what is wrong (a bad name was a
+    # pydantic traceback; a text file or an unknown chat format was pinned, to fail at start).
+    text = usb / "notes.gguf"
+    text.write_text("hello")
+    before = sorted(p.name for p in cache.rglob("*"))
+    for args, needle in (
+        ([str(text), "--name", "notes"], "path: " + str(text) + " is not a GGUF model"),
+        ([str(stick), "--name", "usb-small"], "already has a model named 'usb-small'"),
+        ([str(stick), "--name", "x", "--chat-format", "nope"], "no chat format 'nope'"),
+        ([str(stick), "--name", "Bad Name"], "name: String should match pattern"),
+        ([str(stick), "--name", "x", "--context-length", "0"], "context_length: Input should"),
+    ):
+        refused = run(env, "models", "add", *args, "--tier", "mechanical")
+        assert refused.returncode == 2, (args, refused.stderr)
+        assert needle in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert sorted(p.name for p in cache.rglob("*")) == before
 
 
 def test_support_tickets_are_classified_and_answered_by_a_real_runner(
