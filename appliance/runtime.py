@@ -253,10 +253,15 @@ def tariff(settings: Settings) -> Tariff:
 
 
 async def pricing(settings: Settings, db: Database) -> Pricing:
-    """How calls are priced: calibrated joules per token per model file, then the settings."""
+    """How calls are priced: calibrated joules per token per model file, then the settings.
+
+    A calibration counts only for the file it measured: one of another file under the same
+    name (a smaller quantisation once pinned as that name) would under-price its calls."""
+    pinned = {m.name: m.sha256 for m in model_lock(settings).models}
     per_token: dict[str, Decimal] = {}
     for row in await PgCalibrationStore(db).all():
-        per_token[str(row["model"])] = Decimal(row["joules_per_token"])
+        if pinned.get(str(row["model"])) == row["sha256"]:
+            per_token[str(row["model"])] = Decimal(row["joules_per_token"])
     per_token.update(settings.spend.joules_per_token)
     return Pricing(
         tariff=tariff(settings),

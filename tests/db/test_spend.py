@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 import psycopg
 import pytest
@@ -499,3 +500,26 @@ async def test_a_tenants_cap_raised_resumes_that_tenants_held_work_only(
     assert await spend.resume_budget(reason="cap_set: tenant:acme", tenant="acme", now=at) == 1
     held = {t: await bus.claim("w", tenant=t, limit=5, now=at) for t in ("acme", "globex")}
     assert (len(held["acme"]), len(held["globex"])) == (1, 0)
+
+
+async def test_a_calibration_prices_only_the_file_it_measured(db: Database) -> None:
+    from appliance import runtime
+    from appliance.db.spend_store import PgCalibrationStore
+    from appliance.domain.inference import Tier
+    from appliance.settings import Settings
+    from tests.inference.models import entry
+
+    small = entry(Tier.MECHANICAL)
+    store = PgCalibrationStore(db)
+    # Another file under the same name (say a smaller quantisation, since re-pinned).
+    common: dict[str, Any] = {
+        "idle_watts": Decimal(5), "tokens": 100, "provenance": "estimated", "source": "test",
+    }  # fmt: skip
+    await store.save(model=small.name, sha256="0" * 64, joules_per_token=Decimal("0.01"), **common)
+    priced = await runtime.pricing(Settings(), db)
+    assert small.name not in priced.joules_per_token
+    await store.save(
+        model=small.name, sha256=small.sha256, joules_per_token=Decimal("0.5"), **common
+    )
+    priced = await runtime.pricing(Settings(), db)
+    assert priced.joules_per_token[small.name] == Decimal("0.5")
