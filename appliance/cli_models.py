@@ -87,7 +87,8 @@ def cmd_models(settings: Settings, args: argparse.Namespace) -> int:
                 raise InvalidInput("path", f"{path} is not a GGUF model (no GGUF header)")
         if not chat_format_known(args.chat_format):
             raise InvalidInput(
-                "chat_format", f"llama.cpp has no chat format {args.chat_format!r} (e.g. chatml)"
+                "chat_format",
+                f"the model pool cannot render chat format {args.chat_format!r} (e.g. chatml)",
             )
         if any(m.name == args.name for m in model_lock(settings).models):
             raise InvalidInput("name", f"models.lock already has a model named {args.name!r}")

@@ -257,7 +257,11 @@ async def pricing(settings: Settings, db: Database) -> Pricing:
 
     A calibration counts only for the file it measured: one of another file under the same
     name (a smaller quantisation once pinned as that name) would under-price its calls."""
-    pinned = {m.name: m.sha256 for m in model_lock(settings).models}
+    try:
+        pinned = {m.name: m.sha256 for m in model_lock(settings).models}
+    except ConfigurationError:
+        # No models.lock (a runner without inference): no model calls to price.
+        pinned = {}
     per_token: dict[str, Decimal] = {}
     for row in await PgCalibrationStore(db).all():
         if pinned.get(str(row["model"])) == row["sha256"]:

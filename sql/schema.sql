@@ -238,6 +238,7 @@ ALTER FUNCTION appliance.agent_messages_log_update() OWNER TO appliance_owner;
 CREATE FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
+    SET lock_timeout TO '1s'
     AS $$
 DECLARE
     month date;
@@ -249,8 +250,8 @@ BEGIN
     END IF;
     -- A new month's partition needs the archive to itself: behind a long reader (a backup) it
     -- waited without end, every later round skipped and readers of the archive queued behind
-    -- it. Now it waits a second and tries again next round (migration 0024).
-    PERFORM set_config('lock_timeout', '1s', true);
+    -- it. Now it waits a second (the function's lock_timeout, which ends with the call) and
+    -- tries again next round (migration 0024).
     FOR month IN
         SELECT DISTINCT date_trunc('month', v.finished_at AT TIME ZONE 'UTC')::date
         FROM (SELECT finished_at FROM agent_messages
@@ -398,7 +399,10 @@ keys AS (
                                AND NOT EXISTS (SELECT FROM agent_messages h
                                                WHERE h.id = ik.message_id)
                           THEN excluded.created_at ELSE ik.created_at END,
-        expires_at = greatest(ik.expires_at, excluded.expires_at)
+        -- Expired (taken over, or kept for its hot message): a retention from this request.
+        -- A live key keeps its expiry: hits do not slide it.
+        expires_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.expires_at
+                          ELSE ik.expires_at END
     RETURNING ik.tenant, ik.key, ik.message_id, ik.hits = 0 AS new
 ),
 inserted AS (

@@ -65,6 +65,8 @@ CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
 HELD_SHARE_OF_LEASE = 0.25
 # Once stopping, how long the main loop's step in flight may still take (run).
 STOP_GRACE_S = 5.0
+# How long a cancelled handler has to end before it counts as ignoring cancellation.
+ABANDON_AFTER_S = 1.0
 
 
 def _call_status(exc: BaseException) -> tuple[str, str]:
@@ -313,8 +315,8 @@ class Runner:
                 log.warning("stopping: the serving loop's database call did not finish in "
                             "%.0f s; cancelled", STOP_GRACE_S)  # fmt: skip
                 serving.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await serving
+                # Waited for, not awaited: a cancellation of run() itself must not be swallowed.
+                await asyncio.wait({serving})
             else:
                 serving.result()  # its failure, if any, is this call's
         finally:
@@ -326,9 +328,9 @@ class Runner:
             # stop must still end in about the drain timeout (a service manager kills a stop
             # that takes too long). What is not written lapses and is reclaimed.
             try:
-                # The handlers' drain timeout, the last second a cancelled one gets, and a
-                # few seconds for the database's part.
-                async with asyncio.timeout(self.config.drain_timeout.total_seconds() + 6.0):
+                # The handlers' drain timeout, the last second a cancelled one gets, and
+                # seconds for the database's part (a claim in flight, give-backs, releases).
+                async with asyncio.timeout(self.config.drain_timeout.total_seconds() + 10.0):
                     await self._drain()
             except TimeoutError:
                 log.error("stopping: the drain took too long (database unreachable?); the "
@@ -813,7 +815,7 @@ class Runner:
         except BudgetExhausted as exc:
             # The run used up a dimension of its budget: the message ends, naming it.
             await self._terminate(attempt, str(exc))
-        except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:
             # KeyboardInterrupt and SystemExit too: raised by a handler (never by a signal: the
             # runner handles those), they would leave the event loop and stop the runner, and
             # every runner that picked the message up after it.
@@ -1235,17 +1237,25 @@ class Runner:
         attempt.hard_cancel_at = time.monotonic() + self.config.cancel_grace.total_seconds()
 
     def _abandon(self, attempt: _Attempt) -> None:
-        if attempt.task is not None and not attempt.task.done():
-            attempt.task.cancel()
-        if attempt.hard_cancel_at is not None:
-            # Whatever stopped it (cancelled, lease lost, overrun): a handler that ignores
-            # cancellation keeps its task, but its slot is given back, so a wedged handler
-            # cannot take the runner's capacity with it. The database already has its outcome
-            # (cancelled) or will (the reclaimer).
-            self.stats.abandoned += 1
-            attempt.hard_cancel_at = None
-            self._abandoned_tasks.update(t for t in (attempt.task,) if t and not t.done())
-            self._finish(attempt)
+        attempt.hard_cancel_at = None
+        if attempt.task is None or attempt.task.done():
+            return
+        attempt.task.cancel()
+        # A handler that honours the cancellation ends at its next await and frees its slot
+        # itself; one that ignores it is given up on a moment later.
+        asyncio.get_running_loop().call_later(ABANDON_AFTER_S, self._give_up, attempt)
+
+    def _give_up(self, attempt: _Attempt) -> None:
+        task = attempt.task
+        if task is None or task.done() or attempt.message.id not in self._attempts:
+            return
+        # Whatever stopped it (cancelled, lease lost, overrun): the handler ignores
+        # cancellation and keeps its task, but its slot is given back, so a wedged handler
+        # cannot take the runner's capacity with it. The database already has its outcome
+        # (cancelled) or will (the reclaimer).
+        self.stats.abandoned += 1
+        self._abandoned_tasks.add(task)
+        self._finish(attempt)
 
     def abandoned_tasks(self) -> list[asyncio.Task[None]]:
         """Handler tasks that ignored cancellation and are still running."""

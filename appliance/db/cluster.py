@@ -26,6 +26,7 @@ import re
 import shutil
 import stat
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -279,6 +280,7 @@ class LocalCluster:
         self._version: str | None = None
         self._user = _server_user()
         self._lock_depth = 0
+        self._thread_lock = threading.RLock()
 
         resolved = self.state_dir.resolve()
         digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
@@ -489,13 +491,19 @@ class LocalCluster:
     def _locked(self) -> Iterator[None]:
         """Exclusive use of this cluster by one command (creating, starting or stopping it);
         re-entrant within the process. Waits up to _LOCK_WAIT_S for another command."""
-        if self._lock_depth:
-            self._lock_depth += 1
-            try:
+        with self._thread_lock:  # the depth below is this thread's: others wait here
+            if self._lock_depth:
+                self._lock_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lock_depth -= 1
+                return
+            with self._flocked():
                 yield
-            finally:
-                self._lock_depth -= 1
-            return
+
+    @contextlib.contextmanager
+    def _flocked(self) -> Iterator[None]:
         path = self.state_dir / _LOCK_FILE
         try:
             _mkdirs(self.state_dir)

@@ -169,12 +169,17 @@ class PgSpendStore:
             expires_at=expires_at, reason=reason, actor=actor, now=now,
         )  # fmt: skip
         if held:
-            async with self.db.system_conn() as conn:
-                params = {"id": lease.message_id, "actor": actor, "now": now}
-                cur = await conn.execute(q("message_budget_recheck"), params)
-                if await cur.fetchone() is not None:
-                    log.info("message %s: cap or month changed while parking; resumed",
-                             lease.message_id)  # fmt: skip
+            try:
+                async with self.db.system_conn() as conn:
+                    params = {"id": lease.message_id, "actor": actor, "now": now}
+                    cur = await conn.execute(q("message_budget_recheck"), params)
+                    if await cur.fetchone() is not None:
+                        log.info("message %s: cap or month changed while parking; resumed",
+                                 lease.message_id)  # fmt: skip
+            except Exception:
+                # Parked all the same: `cap set` or the rollover sweep resumes it.
+                log.exception("message %s: parked; the recheck of its cap failed",
+                              lease.message_id)  # fmt: skip
         return held
 
     async def resume_budget(

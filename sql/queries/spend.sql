@@ -18,7 +18,7 @@ SELECT spend_release_dead(%(batch)s, %(now)s::timestamptz) AS released;
 -- name: spend_cap_set :exec
 -- Set the monthly cap of a scope (the appliance, or one tenant).
 INSERT INTO spend_caps (scope, monthly_cap, updated_at, updated_by)
-VALUES (%(scope)s, %(cap)s::numeric, now(), %(actor)s)
+VALUES (%(scope)s, %(cap)s::numeric, clock_timestamp(), %(actor)s)
 ON CONFLICT (scope) DO UPDATE
 SET monthly_cap = excluded.monthly_cap, updated_at = excluded.updated_at,
     updated_by = excluded.updated_by;
@@ -120,7 +120,7 @@ WHERE m.id = ready.id
 RETURNING m.id;
 
 -- name: message_budget_recheck :one
--- A message just parked in held_budget goes straight back to pending when a cap changed, or the month turned, since its attempt was claimed: a `cap set` (or a rollover sweep) that ran between the refusal and the park found nothing to resume. A change just before the refusal resumes it once more at most (the next claim postdates it).
+-- A message just parked in held_budget goes straight back to pending when a cap of its scopes (the appliance, its tenant) changed, or the month turned, since its attempt was claimed: a `cap set` (or a rollover sweep) that ran between the refusal and the park found nothing to resume. A change up to 0.1 s before the claim resumes it too (such a message may go round again for that long).
 UPDATE agent_messages m
 SET status = 'pending',
     waiting_for = NULL,
@@ -132,8 +132,10 @@ SET status = 'pending',
     status_actor = %(actor)s
 WHERE m.id = %(id)s AND m.status = 'held_budget'
   AND (EXISTS (SELECT FROM spend_caps c
-               -- A second's margin: a cap's time is its transaction's start.
-               WHERE c.updated_at >= m.claimed_at - interval '1 second')
+               WHERE c.scope IN ('appliance', 'tenant:' || m.tenant)
+                 -- A cap's time is taken just before its commit (spend_cap_set): the margin
+                 -- covers a commit still flushing when the claim began.
+                 AND c.updated_at >= m.claimed_at - interval '100 milliseconds')
        OR spend_month(m.claimed_at) < spend_month(clock(%(now)s)))
 RETURNING m.id;
 

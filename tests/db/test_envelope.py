@@ -153,6 +153,9 @@ async def test_key_reused_after_retention_once_its_message_left(bus: Bus, db: Da
     first = await short.enqueue(now=T0, **vars_of(req(bus, "old")))
     dup = await short.enqueue(now=T0 + timedelta(hours=23), **vars_of(req(bus, "old")))
     assert first.new and not dup.new and dup.id == first.id
+    async with db.system_conn() as conn:  # a hit on a live key does not slide its expiry
+        row = await (await conn.execute("SELECT expires_at FROM idempotency_keys")).fetchone()
+    assert row is not None and row["expires_at"] == T0 + timedelta(days=1)
     # Past the retention, but its message is still in the envelope (pending): a duplicate. It
     # was taken over, and the same work enqueued twice (migration 0024).
     kept = await short.enqueue(now=T0 + timedelta(days=2), **vars_of(req(bus, "old")))

@@ -69,6 +69,11 @@ async def unprintable(ctx: StageContext) -> StageResult:
     raise Unprintable
 
 
+async def sleepy(ctx: StageContext) -> StageResult:
+    await asyncio.sleep(30)  # never looks at ctx.cancelled, but a task cancel ends it
+    return ctx.finish({"slept": True})
+
+
 # Lets the stubborn handler end when its test is over (its task would outlive the loop).
 stubborn_may_end = asyncio.Event()
 
@@ -92,6 +97,7 @@ PIPES = [
     Pipeline("self_cancels", (Stage("run", self_cancels, max_attempts=1),)),
     Pipeline("unprintable", (Stage("run", unprintable, max_attempts=1),)),
     Pipeline("stubborn", (Stage("run", stubborn),)),
+    Pipeline("sleepy", (Stage("run", sleepy),)),
 ]
 
 
@@ -263,6 +269,20 @@ async def test_a_handler_that_ignores_cancellation_gives_its_slot_back(running) 
         assert [t.get_name() for t in runner.abandoned_tasks()] != []
     finally:
         stubborn_may_end.set()
+
+
+async def test_a_handler_that_ends_when_cancelled_is_not_counted_as_abandoned(running) -> None:
+    bus, _, runner = running
+    r = await bus.enqueue(**request(bus, "sleepy"))
+    await wait_status(bus, r.id, MessageStatus.RUNNING)
+    assert await bus.cancel("acme", r.id, reason="operator")
+    for _ in range(100):  # heartbeat 0.5 s + grace 1 s: the task cancel ends it
+        if runner.slots.running[Lane.INTERACTIVE] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert runner.slots.running[Lane.INTERACTIVE] == 0
+    await asyncio.sleep(1.5)  # past the moment a stubborn one would be given up on
+    assert runner.stats.abandoned == 0 and runner.abandoned_tasks() == []
 
 
 async def test_unknown_stage_fails_with_its_name(running) -> None:

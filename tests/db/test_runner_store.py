@@ -826,3 +826,6 @@ async def test_archiving_behind_a_long_reader_of_the_archive_skips_the_round(
         assert time.monotonic() - began < 5
     assert await rstore.archive(retention=timedelta(0), now=T0 + timedelta(seconds=1)) == 1
     assert await bus.get("acme", m.id) is not None  # read from the archive
+    with psycopg.connect(db.endpoints.admin) as conn:  # its lock_timeout ends with the call
+        conn.execute("SELECT appliance.archive_messages(now(), 10, now())")
+        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)

@@ -255,7 +255,7 @@ async def test_a_park_that_races_a_cap_change_is_resumed_at_once(
     for sid in ("raced", "plain"):
         await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id=sid,
                           directive="d")  # fmt: skip
-    await asyncio.sleep(1.1)  # the cap's time lies clear of the claims (its 1 s margin)
+    await asyncio.sleep(0.3)  # the cap's time lies clear of the claims (its 0.1 s margin)
     raced, plain = await bus.claim("w", limit=2)
     assert isinstance(await reserve(spend, datetime.now(UTC), amount=Decimal(5)), Refusal)
     # Not raced: the cap did not change since the claim; it stays held.

@@ -139,6 +139,9 @@ async def submit(rig: Rig, pipeline: str, source_id: str, stage: str = "run") ->
 
 async def test_a_call_over_the_cap_is_held_then_resumes_when_the_cap_is_raised(rig: Rig) -> None:
     await rig.spend.set_cap("appliance", Decimal("0.000001"))
+    # A park within 0.1 s of a cap change is resumed to be tried again (the change may have
+    # come after the refusal): submitted after that, the call is held at its first refusal.
+    await asyncio.sleep(0.2)
     mid = await submit(rig, "label", "h1")
 
     async def held() -> bool:
