@@ -178,7 +178,7 @@ def test_models_add_side_loads_a_file_into_the_cache_and_the_lock(tmp_path: Path
     for args, needle in (
         ([str(text), "--name", "notes"], "path: " + str(text) + " is not a GGUF model"),
         ([str(stick), "--name", "usb-small"], "already has a model named 'usb-small'"),
-        ([str(stick), "--name", "x", "--chat-format", "nope"], "no chat format 'nope'"),
+        ([str(stick), "--name", "x", "--chat-format", "nope"], "cannot render chat format 'nope'"),
         ([str(stick), "--name", "Bad Name"], "name: String should match pattern"),
         ([str(stick), "--name", "x", "--context-length", "0"], "context_length: Input should"),
     ):
