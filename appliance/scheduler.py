@@ -19,6 +19,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from appliance.bus.core import Bus
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.spend_store import PgSpendStore
+from appliance.domain.errors import ConfigurationError
 from appliance.domain.ports import Doorbell
 from appliance.domain.schedule import Schedule
 
@@ -39,7 +40,44 @@ def schedule_trigger(schedule: Schedule) -> Any:
             seconds=schedule.every.total_seconds(), start_date=EPOCH, timezone=UTC
         )
     assert schedule.cron is not None
-    return CronTrigger.from_crontab(schedule.cron, timezone=UTC)
+    fields = schedule.cron.split()
+    if len(fields) == 5:
+        fields[4] = _crontab_weekdays(fields[4], schedule.name)
+    return CronTrigger.from_crontab(" ".join(fields), timezone=UTC)
+
+
+# Standard crontab numbers weekdays from Sunday (0 and 7); APScheduler's from_crontab reads
+# the same numbers from Monday, so "1-5" ran Tuesday to Saturday. Numbers are turned into
+# names, which both read alike.
+_WEEKDAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+
+
+def _crontab_weekdays(field: str, name: str) -> str:
+    """A crontab day-of-week field with its numbers (0-7, Sunday = 0 or 7) as names."""
+    if field == "*" or any(c.isalpha() for c in field):
+        return field
+    days: set[int] = set()
+    for part in field.split(","):
+        span, _, step_text = part.partition("/")
+        try:
+            step = int(step_text) if step_text else 1
+            if span == "*":
+                low, high = 0, 6
+            elif "-" in span:
+                low, high = (int(x) for x in span.split("-", 1))
+            else:
+                low = int(span)
+                high = 7 if step_text else low
+        except ValueError:
+            raise ConfigurationError(
+                f"schedule {name}: day-of-week {field!r} is not a crontab field"
+            ) from None
+        if not (0 <= low <= high <= 7 and step >= 1):
+            raise ConfigurationError(
+                f"schedule {name}: day-of-week {field!r} is outside 0-7 (Sunday is 0 or 7)"
+            )
+        days.update(d % 7 for d in range(low, high + 1, step))
+    return ",".join(_WEEKDAY_NAMES[d] for d in sorted(days))
 
 
 def latest_fire_time(schedule: Schedule, now: datetime) -> datetime | None:

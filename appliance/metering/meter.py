@@ -10,6 +10,7 @@ last moment) and on a periodic `tick`, which bounds the length of an interval.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from appliance.domain.errors import ConfigurationError
 from appliance.metering.attribution import Attribution, attribute_samples
 from appliance.metering.sources import EnergySample, EnergySource, Provenance, ThreadCpu
+
+log = logging.getLogger("appliance.metering")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Meter:
         self._measured = 0.0
         self._attributed = 0.0
         self._platform = 0.0
+        self.dropped_intervals = 0  # intervals a counter that went backwards left unknown
         self._lock = threading.Lock()
 
     @property
@@ -150,13 +154,23 @@ class Meter:
             for call_id, active in self._active.items():
                 now = cpu_now.get(active.native_id, active.cpu_mark)
                 weights[call_id] = max(0.0, now - active.cpu_mark)
-            attributions = attribute_samples(
-                previous,
-                sample,
-                idle_watts=self._idle_watts,
-                weights=weights,
-                call_devices=self._call_devices,
-            )
+            try:
+                attributions = attribute_samples(
+                    previous,
+                    sample,
+                    idle_watts=self._idle_watts,
+                    weights=weights,
+                    call_devices=self._call_devices,
+                )
+            except ValueError as exc:
+                # A counter that went backwards (a driver reload, a reset after suspend): this
+                # interval's energy is unknown and is attributed to no one. Measuring goes on
+                # from the new reading; kept as the baseline, the old one would fail every
+                # later interval until the counter climbed back past it, and every call would
+                # be charged its whole reservation meanwhile.
+                log.warning("energy sample dropped: %s; measuring again from this reading", exc)
+                self.dropped_intervals += 1
+                attributions = []
             for attribution in attributions:
                 self._attributions.append(attribution)
                 self._measured += attribution.measured
