@@ -43,7 +43,7 @@ from appliance.metering.sources import (
     process_cpu_seconds,
 )
 from appliance.pipelines.registry import BUILT_IN
-from appliance.scheduler import Maintenance
+from appliance.scheduler import Maintenance, schedule_trigger
 from appliance.settings import Settings
 
 
@@ -149,6 +149,16 @@ def load_pipelines(settings: Settings) -> tuple[list[Pipeline], list[Schedule]]:
             ) from exc
         pipelines.extend(getattr(module, "PIPELINES", []))
         schedules.extend(getattr(module, "SCHEDULES", []))
+    served = {(p.name, stage.name) for p in pipelines for stage in p.stages}
+    for schedule in schedules:
+        schedule_trigger(schedule)  # a bad crontab line stops the start, not each firing
+        if (schedule.pipeline, schedule.stage) not in served:
+            log.warning(
+                "schedule %s enqueues %s.%s, which this runner does not serve (another must)",
+                schedule.name,
+                schedule.pipeline,
+                schedule.stage,
+            )
     return pipelines, schedules
 
 

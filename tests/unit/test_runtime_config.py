@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
+import pytest
+
+from appliance import runtime
+from appliance.domain.errors import ConfigurationError
 from appliance.runtime import bus_config, runner_config
 from appliance.settings import BusSettings, Settings
 
@@ -13,3 +18,18 @@ def test_spawned_work_follows_the_same_bus_rules_as_enqueued_work() -> None:
     bus, runner = bus_config(settings), runner_config(settings)
     assert bus.idempotency_retention == runner.idempotency_retention == timedelta(days=3)
     assert bus.max_attempts == runner.max_attempts == 7
+
+
+def test_a_bad_crontab_line_stops_the_start_not_each_firing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "odd_schedules.py").write_text(
+        "from appliance.domain.schedule import Schedule\n"
+        "SCHEDULES = [Schedule('weekly', 'acme', 'p', 'a', 'k', cron='0 0 * * 9')]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = Settings(
+        runner={"pipelines": [], "pipeline_modules": ["odd_schedules"]}  # type: ignore[arg-type]
+    )
+    with pytest.raises(ConfigurationError, match="day-of-week '9' is outside 0-7"):
+        runtime.load_pipelines(settings)
