@@ -256,7 +256,7 @@ class _Worker(threading.Thread):
         self.calls += 1
         call_id = f"{self.name}:{self.calls}"
         try:
-            meter.begin(call_id, threading.get_native_id())
+            meter.begin(call_id, threading.get_native_id(), self.n_threads)
         except Exception:
             log.exception("%s: the meter failed; this call is charged its reservation", self.name)
             return self._serve_one(job)

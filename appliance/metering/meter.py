@@ -38,6 +38,9 @@ class CallEnergy:
 class _Active:
     native_id: int
     cpu_mark: float  # the thread's CPU seconds at the last sample
+    # Threads the call computes on: llama.cpp splits its work over this many, the calling
+    # thread among them, so the caller's CPU time is about 1/threads of the call's.
+    threads: int = 1
     parts: list[float] = field(default_factory=list)  # joules per interval, summed at the end
     intervals: int = 0
 
@@ -87,14 +90,17 @@ class Meter:
         """How this meter's figures are obtained (measured, estimated or replayed)."""
         return self.source.provenance
 
-    def begin(self, call_id: str, native_id: int) -> None:
-        """Close the current interval, then count `call_id` as running on thread `native_id`."""
+    def begin(self, call_id: str, native_id: int, threads: int = 1) -> None:
+        """Close the current interval, then count `call_id` as running on thread `native_id`
+        (the caller of a computation spread over `threads` threads, itself one of them)."""
+        if threads < 1:
+            raise ValueError(f"metering: call {call_id!r} runs on {threads} threads")
         with self._lock:
             if call_id in self._active:
                 raise ValueError(f"metering: call {call_id!r} has already begun")
             self._cpu.register(native_id)
             cpu_now = self._sample()
-            self._active[call_id] = _Active(native_id, cpu_now.get(native_id, 0.0))
+            self._active[call_id] = _Active(native_id, cpu_now.get(native_id, 0.0), threads)
 
     def end(self, call_id: str) -> CallEnergy:
         """Close the current interval (charging this call for it) and return the call's energy."""
@@ -153,7 +159,9 @@ class Meter:
             weights: dict[str, float] = {}
             for call_id, active in self._active.items():
                 now = cpu_now.get(active.native_id, active.cpu_mark)
-                weights[call_id] = max(0.0, now - active.cpu_mark)
+                # Scaled by its threads: a 1-thread and a 4-thread call, both busy, took 1:4
+                # of the CPU, not the 1:1 their calling threads alone show.
+                weights[call_id] = max(0.0, now - active.cpu_mark) * active.threads
             try:
                 attributions = attribute_samples(
                     previous,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -329,3 +330,40 @@ def test_a_counter_that_goes_back_costs_one_interval_not_the_meter() -> None:
     # 10 J before the reset, none for the interval across it, 10 + 10 after.
     assert charged.joules == pytest.approx(30.0)
     assert meter.dropped_intervals == 1
+
+
+def test_a_call_on_more_threads_takes_its_share_by_them() -> None:
+    # llama.cpp spreads a call over its tier's threads, the caller one of them: a 1-thread and
+    # a 4-thread call whose callers burned the same CPU took 1:4 of it, not 1:1.
+    source = ReplaySource([(0.0, {"cpu": 0}), (1.0, {"cpu": 100})], {"cpu": 1 << 30})
+    clock = StepClock()
+    meter = Meter(source, ThreadCpu(), {"cpu": 0.0}, clock=clock)
+    ready, spun = threading.Barrier(3), threading.Barrier(3)
+    go, finish = threading.Event(), threading.Event()
+    ids: dict[str, int] = {}
+
+    def caller(name: str) -> None:
+        ids[name] = threading.get_native_id()
+        ready.wait()
+        go.wait()
+        spin = time.thread_time() + 0.2
+        while time.thread_time() < spin:
+            pass
+        spun.wait()
+        finish.wait()  # alive until its call is ended: a thread's CPU time dies with it
+
+    workers = [threading.Thread(target=caller, args=(n,)) for n in ("one", "four")]
+    for w in workers:
+        w.start()
+    ready.wait()
+    meter.begin("one", ids["one"], threads=1)
+    meter.begin("four", ids["four"], threads=4)
+    go.set()
+    spun.wait()
+    clock.now = 1.0
+    one, four = meter.end("one").joules, meter.end("four").joules
+    finish.set()
+    for w in workers:
+        w.join()
+    assert one + four == pytest.approx(100.0)
+    assert four / (one + four) == pytest.approx(0.8, abs=0.05)
