@@ -282,6 +282,16 @@ class LocalCluster:
         self._lock_depth = 0
         self._thread_lock = threading.RLock()
 
+        self._plan_layout()
+
+    # ------------------------------------------------------------------ layout
+
+    def _plan_layout(self) -> None:
+        """Where the data, socket and log folders are: in the state dir, or in the fallback
+        when the server's user cannot reach them there. Planned again once this command holds
+        the cluster lock: another command may have been creating the folders meanwhile, and a
+        plan made from its half-made folders (not yet handed to the server's user) would put
+        the socket elsewhere than the server that command starts."""
         resolved = self.state_dir.resolve()
         digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
         self._fallback_root = _FALLBACK_ROOT / f"appliance-{digest}"
@@ -304,8 +314,6 @@ class LocalCluster:
         self.data_dir: Path = real["pg"] / "data"
         self.socket_dir: Path = real["run"]
         self.log_file: Path = real["log"] / "postgresql.log"
-
-    # ------------------------------------------------------------------ layout
 
     def _needs_fallback(self, name: str, target: Path) -> str | None:
         """Why ``state_dir/name`` cannot be used in place, or None if it can."""
@@ -529,6 +537,7 @@ class LocalCluster:
                             ) from None
                         time.sleep(0.1)
             self._lock_depth = 1
+            self._plan_layout()
             yield
         finally:
             self._lock_depth = 0

@@ -341,6 +341,28 @@ def test_two_starts_at_once_both_succeed_on_one_cluster(reachable_dir: Path) -> 
         _fast_cluster(state).stop()
 
 
+@pytest.mark.skipif(not IS_ROOT, reason="the layout only falls back when run as root")
+def test_a_layout_planned_from_half_made_folders_is_planned_again_under_the_lock(
+    cluster: LocalCluster,
+) -> None:
+    # What a second `db start` saw while the first was still handing its folders to the
+    # server's user: a socket folder the postgres user cannot enter yet. Planned from that, it
+    # looked for the socket under /var/tmp and refused the server the first had started.
+    cluster.start()
+    run = cluster.socket_dir
+    st = run.stat()
+    os.chown(run, 0, 0)
+    run.chmod(0o700)
+    try:
+        late = _fast_cluster(cluster.state_dir)
+    finally:
+        os.chown(run, st.st_uid, st.st_gid)
+        run.chmod(0o700)
+    late.start()  # planned again once it holds the lock: the folders are finished by then
+    assert late.socket_dir == cluster.socket_dir
+    assert _query(late, "SELECT 1") == 1
+
+
 @pytest.mark.parametrize("char", [",", '"', "$"])
 def test_a_state_dir_postgres_tools_cannot_take_is_refused_up_front(
     reachable_dir: Path, char: str
