@@ -79,7 +79,7 @@ def _call_status(exc: BaseException) -> tuple[str, str]:
         return "refused", str(exc)
     if isinstance(exc, OutputInvalid):
         return "invalid_output", str(exc)
-    return "error", f"{type(exc).__name__}: {exc}"
+    return "error", _describe(exc)
 
 
 # At most this much of a handler's error goes into one log line (the whole, cut to the
@@ -1255,11 +1255,12 @@ class Runner:
         # (cancelled) or will (the reclaimer).
         self.stats.abandoned += 1
         self._abandoned_tasks.add(task)
+        task.add_done_callback(self._abandoned_tasks.discard)  # kept only while it runs
         self._finish(attempt)
 
     def abandoned_tasks(self) -> list[asyncio.Task[None]]:
         """Handler tasks that ignored cancellation and are still running."""
-        return [t for t in self._abandoned_tasks if not t.done()]
+        return list(self._abandoned_tasks)
 
     # -- shutdown -------------------------------------------------------------------------------
 

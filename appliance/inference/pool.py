@@ -89,9 +89,15 @@ class TierSpec:
 _LOAD_LOCK = threading.Lock()
 
 
+def _chat_formatter(name: str) -> Callable[..., Any] | None:
+    """llama.cpp's formatter of the chat format `name`, or None when it has none."""
+    formatter = getattr(llama_chat_format, f"format_{name.replace('-', '_')}", None)
+    return formatter if callable(formatter) else None
+
+
 def chat_format_known(name: str) -> bool:
     """Whether llama.cpp has a chat format of this name (how a tier renders chat messages)."""
-    return callable(getattr(llama_chat_format, f"format_{name.replace('-', '_')}", None))
+    return _chat_formatter(name) is not None
 
 
 def gpu_offload_supported() -> bool:
@@ -458,7 +464,7 @@ class TierPool:
             )
         self.n_gpu_layers = gpu
         self.workers = [_Worker(self, i, n_threads, gpu) for i in range(spec.workers)]
-        formatter = getattr(llama_chat_format, f"format_{spec.chat_format.replace('-', '_')}", None)
+        formatter = _chat_formatter(spec.chat_format)
         if formatter is None:
             raise ConfigurationError(
                 f"inference: model {spec.model} names chat format {spec.chat_format!r}, "
