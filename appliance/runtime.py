@@ -401,6 +401,11 @@ async def _serve(
             expire_every=timedelta(seconds=settings.runner.expire_interval_seconds),
             archive_every=timedelta(seconds=settings.runner.archive_interval_seconds),
             archive_retention=timedelta(days=settings.runner.archive_retention_days),
+            history_retention=(
+                None
+                if settings.runner.history_retention_days is None
+                else timedelta(days=settings.runner.history_retention_days)
+            ),
             spend=spend,
             # A run's budget outlives its keys and its longest hold for budget (see 0019).
             run_budget_idle=max(settings.bus.idempotency_retention, config.budget_hold_max),

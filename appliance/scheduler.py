@@ -128,6 +128,7 @@ class Maintenance:
         archive_every: timedelta = timedelta(seconds=60),
         archive_retention: timedelta = timedelta(days=7),
         archive_batch: int = 1000,
+        history_retention: timedelta | None = None,
         purge_keys_every: timedelta = timedelta(seconds=60),
         spend: PgSpendStore | None = None,
         run_budget_idle: timedelta = timedelta(days=90),
@@ -142,6 +143,7 @@ class Maintenance:
         self.schedules = list(schedules)
         self.archive_retention = archive_retention
         self.archive_batch = archive_batch
+        self.history_retention = history_retention
         self.run_budget_idle = run_budget_idle
         self.scheduler = AsyncIOScheduler(timezone=UTC)
         every = {"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
@@ -157,6 +159,10 @@ class Maintenance:
             (self.listener_health, IntervalTrigger(seconds=10)),
             (self.planner_stats, IntervalTrigger(seconds=stats_every.total_seconds())),
         ]
+        if history_retention is not None:
+            jobs.append(
+                (self.prune_history, IntervalTrigger(seconds=archive_every.total_seconds()))
+            )
         if spend is not None:
             jobs.append(
                 (self.month_rollover, IntervalTrigger(seconds=month_check_every.total_seconds()))
@@ -180,6 +186,7 @@ class Maintenance:
         self.archived = 0
         self.keys_purged = 0
         self.budgets_purged = 0
+        self.history_pruned = 0
         self.analyzed = 0
 
     def _tracked(self, job: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
@@ -326,6 +333,21 @@ class Maintenance:
                 self.budgets_purged += purged
         except Exception:
             log.exception("purging idle run budgets failed")
+
+    async def prune_history(self) -> None:
+        """Delete history finished longer than the history retention ago, in bounded batches
+        like the archive (migration 0025)."""
+        retention = self.history_retention
+        if retention is None:
+            return
+        try:
+            async for pruned in self._batches(
+                lambda: self.store.prune_history(retention=retention, batch=self.archive_batch),
+                budget_s=UPKEEP_ROUND_S,
+            ):
+                self.history_pruned += pruned
+        except Exception:
+            log.exception("pruning old history failed")
 
     async def planner_stats(self) -> None:
         """Keep the envelope's statistics in step with bursts (autovacuum may take minutes):

@@ -7,7 +7,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from appliance.domain.envelope import DEFAULT_CONTEXT_MAX_BYTES, Lane
@@ -95,6 +95,10 @@ class RunnerSettings(BaseModel):
     expire_interval_seconds: float = Field(default=5.0, gt=0)
     archive_interval_seconds: float = Field(default=60.0, gt=0)
     archive_retention_days: float = Field(default=7.0, ge=0)
+    # Finished history older than this is deleted (archived messages with their transition
+    # logs, model calls, past months' ledger lines, runners long stopped; migration 0025).
+    # None (`none` in the environment) keeps it for ever.
+    history_retention_days: float | None = Field(default=400.0, gt=0)
     # How long model work may wait for its tier (waiting_capability) before it expires.
     capability_wait_seconds: float = Field(default=3600.0, gt=0)
     # Hand-offs a message may be from its run's start (a pipeline's budget may say fewer).
@@ -102,6 +106,18 @@ class RunnerSettings(BaseModel):
     pipelines: list[str] = Field(default_factory=lambda: ["demo", "support"])
     # Extra modules whose PIPELINES (and optional SCHEDULES) lists the runner serves too.
     pipeline_modules: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _history_outlives_the_archive(self) -> RunnerSettings:
+        # History is pruned from the archive: a retention shorter than the archive's would
+        # delete messages as they arrive there.
+        kept = self.history_retention_days
+        if kept is not None and kept < self.archive_retention_days:
+            raise ValueError(
+                f"history_retention_days ({kept:g}) must be at least archive_retention_days"
+                f" ({self.archive_retention_days:g}): history is pruned from the archive"
+            )
+        return self
 
 
 def default_models_lock() -> Path:
@@ -195,7 +211,11 @@ class Settings(BaseSettings):
     """All settings. Nested fields read APPLIANCE_<SECTION>__<FIELD>; a few have short names."""
 
     model_config = SettingsConfigDict(
-        env_prefix="APPLIANCE_", env_nested_delimiter="__", extra="ignore"
+        env_prefix="APPLIANCE_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        # `none` sets an optional setting to None (history_retention_days: keep for ever).
+        env_parse_none_str="none",
     )
 
     state_dir: Path = Field(default_factory=default_state_dir)

@@ -443,6 +443,123 @@ $$;
 ALTER FUNCTION appliance.idempotency_key(source text, source_id text, stage text) OWNER TO appliance_owner;
 
 --
+-- Name: prune_history(timestamp with time zone, integer); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.prune_history(p_cutoff timestamp with time zone, p_batch integer) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
+    SET lock_timeout TO '1s'
+    AS $_$
+DECLARE
+    done integer := 0;
+    n integer;
+    part regclass;
+    part_name text;
+    after_id bigint;
+    ids bigint[];
+BEGIN
+    IF p_cutoff IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
+        RAISE EXCEPTION 'prune_history needs a cutoff and a batch of at least 1, got % and %',
+            p_cutoff, p_batch USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- One pruner at a time across runners; the others skip this round.
+    IF NOT pg_try_advisory_xact_lock(hashtext('appliance.prune_history')) THEN
+        RETURN 0;
+    END IF;
+
+    -- 1. Archive months that ended before the cutoff, oldest first. archive_messages names
+    --    each month's partition agent_messages_archive_yYYYYmMM, bounded by the UTC month.
+    WHILE done < p_batch LOOP
+        SELECT c.oid::regclass, c.relname INTO part, part_name
+        FROM pg_inherits i
+        JOIN pg_class c ON c.oid = i.inhrelid
+        WHERE i.inhparent = 'agent_messages_archive'::regclass
+          AND c.relname ~ '^agent_messages_archive_y[0-9]{4}m[0-9]{2}$'
+          AND ((to_date(right(c.relname, 8), '"y"YYYY"m"MM') + interval '1 month')::timestamp
+               AT TIME ZONE 'UTC') <= p_cutoff
+        ORDER BY c.relname
+        LIMIT 1;
+        EXIT WHEN NOT FOUND;
+        SELECT pc.last_id INTO after_id FROM prune_cursors pc WHERE pc.name = part_name;
+        EXECUTE format('SELECT array_agg(s.id ORDER BY s.id) FROM'
+                       ' (SELECT a.id FROM %s a WHERE a.id > $1 ORDER BY a.id LIMIT $2) AS s',
+                       part)
+            INTO ids USING coalesce(after_id, 0), p_batch - done;
+        n := coalesce(cardinality(ids), 0);
+        IF n > 0 THEN
+            DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
+            INSERT INTO prune_cursors AS pc (name, last_id) VALUES (part_name, ids[n])
+            ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id;
+            done := done + n;
+        END IF;
+        -- A short sweep has reached the month's end: the month goes, rows and all.
+        IF done < p_batch THEN
+            EXECUTE format('DROP TABLE %s', part);
+            DELETE FROM prune_cursors pc WHERE pc.name = part_name;
+        END IF;
+    END LOOP;
+
+    -- 2. Rows of the default partition (months archived before they had partitions).
+    IF done < p_batch THEN
+        SELECT array_agg(s.id) INTO ids
+        FROM (SELECT d.id FROM agent_messages_archive_default d
+              WHERE d.finished_at < p_cutoff ORDER BY d.id LIMIT p_batch - done) AS s;
+        n := coalesce(cardinality(ids), 0);
+        IF n > 0 THEN
+            DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
+            DELETE FROM agent_messages_archive_default d WHERE d.id = ANY (ids);
+            done := done + n;
+        END IF;
+    END IF;
+
+    -- 3. Model calls made before the cutoff.
+    IF done < p_batch THEN
+        DELETE FROM inference_calls c
+        WHERE c.id = ANY (ARRAY(SELECT i.id FROM inference_calls i WHERE i.at < p_cutoff
+                                ORDER BY i.at LIMIT p_batch - done));
+        GET DIAGNOSTICS n = ROW_COUNT;
+        done := done + n;
+    END IF;
+
+    -- 4. Ledger lines of months that ended before the cutoff (an open reservation stays until
+    --    it is settled or released), then those months' alerts.
+    IF done < p_batch THEN
+        DELETE FROM spend_ledger l
+        WHERE l.id = ANY (ARRAY(SELECT s.id FROM spend_ledger s
+                                WHERE s.month < spend_month(p_cutoff) AND s.status <> 'reserved'
+                                ORDER BY s.month LIMIT p_batch - done));
+        GET DIAGNOSTICS n = ROW_COUNT;
+        done := done + n;
+    END IF;
+    IF done < p_batch THEN
+        DELETE FROM spend_alerts a
+        WHERE a.ctid = ANY (ARRAY(SELECT s.ctid FROM spend_alerts s
+                                  WHERE s.month < spend_month(p_cutoff)
+                                  LIMIT p_batch - done));
+        GET DIAGNOSTICS n = ROW_COUNT;
+        done := done + n;
+    END IF;
+
+    -- 5. Runners stopped, or last seen (killed), before the cutoff.
+    IF done < p_batch THEN
+        DELETE FROM runners r
+        WHERE r.id = ANY (ARRAY(SELECT s.id FROM runners s
+                                WHERE coalesce(s.stopped_at, s.seen_at) < p_cutoff
+                                LIMIT p_batch - done));
+        GET DIAGNOSTICS n = ROW_COUNT;
+        done := done + n;
+    END IF;
+    RETURN done;
+EXCEPTION WHEN lock_not_available THEN
+    RAISE NOTICE 'prune_history: the archive is in use (%); trying again next round', SQLERRM;
+    RETURN 0;
+END
+$_$;
+
+ALTER FUNCTION appliance.prune_history(p_cutoff timestamp with time zone, p_batch integer) OWNER TO appliance_owner;
+
+--
 -- Name: purge_idempotency_keys(timestamp with time zone, integer); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1267,6 +1384,17 @@ CREATE TABLE appliance.pipeline_stages (
 ALTER TABLE appliance.pipeline_stages OWNER TO appliance_owner;
 
 --
+-- Name: prune_cursors; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.prune_cursors (
+    name text NOT NULL,
+    last_id bigint NOT NULL
+);
+
+ALTER TABLE appliance.prune_cursors OWNER TO appliance_owner;
+
+--
 -- Name: run_budgets; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1568,6 +1696,13 @@ ALTER TABLE ONLY appliance.message_transitions
 
 ALTER TABLE ONLY appliance.pipeline_stages
     ADD CONSTRAINT pipeline_stages_pkey PRIMARY KEY (pipeline, stage);
+
+--
+-- Name: prune_cursors prune_cursors_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.prune_cursors
+    ADD CONSTRAINT prune_cursors_pkey PRIMARY KEY (name);
 
 --
 -- Name: run_budgets run_budgets_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -2055,6 +2190,13 @@ GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_system;
 
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_app;
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_system;
+
+--
+-- Name: FUNCTION prune_history(p_cutoff timestamp with time zone, p_batch integer); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.prune_history(p_cutoff timestamp with time zone, p_batch integer) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.prune_history(p_cutoff timestamp with time zone, p_batch integer) TO appliance_system;
 
 --
 -- Name: FUNCTION purge_idempotency_keys(p_now timestamp with time zone, p_batch integer); Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -175,6 +175,18 @@ class PgRunnerStore(PgMessageStore):
             ).fetchone()
         return int(row["purged"]) if row else 0
 
+    async def prune_history(
+        self, *, retention: timedelta, batch: int = 1000, now: datetime | None = None
+    ) -> int:
+        """Remove one bounded batch of history finished longer than `retention` ago: archive
+        months with their transition logs, model calls, past months' ledger lines and alerts,
+        records of runners long stopped (migration 0025); how many rows. 0 while another
+        runner prunes, or while a reader keeps a month's partition from being dropped."""
+        params = {"retention": retention, "batch": batch, "now": now}
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("history_prune"), params)).fetchone()
+        return int(row["pruned"]) if row else 0
+
     async def refresh_planner_stats(self, *, min_pages: int = 32, growth: float = 2.0) -> list[str]:
         """ANALYZE the envelope (and the other tables read by key) where the heap has outgrown
         its statistics: `growth` times the size they were taken at, and at least `min_pages` of

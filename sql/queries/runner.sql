@@ -441,3 +441,8 @@ RETURNING m.id;
 -- name: planner_stats_refresh :one
 -- Re-analyze each table the runtime reads by key whose heap reached `growth` times its size at its last ANALYZE (at least `min_pages`), so that kept plans are remade on current figures (migration 0009); the tables analyzed.
 SELECT refresh_planner_stats(%(min_pages)s, %(growth)s) AS analyzed;
+
+-- name: history_prune :one
+-- Remove one bounded batch of history finished before the retention (migration 0025): archive months with their transition logs, model calls, past months' ledger lines and alerts, old runner records (0 while another runner prunes).
+SELECT prune_history(coalesce(%(now)s::timestamptz, now()) - %(retention)s::interval, %(batch)s)
+    AS pruned;

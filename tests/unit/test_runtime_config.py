@@ -6,6 +6,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from appliance import runtime
 from appliance.domain.errors import ConfigurationError
@@ -33,3 +34,17 @@ def test_a_bad_crontab_line_stops_the_start_not_each_firing(
     )
     with pytest.raises(ConfigurationError, match="day-of-week '9' is outside 0-7"):
         runtime.load_pipelines(settings)
+
+
+def test_history_retention_is_read_from_the_environment_and_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Settings().runner.history_retention_days == 400
+    monkeypatch.setenv("APPLIANCE_RUNNER__HISTORY_RETENTION_DAYS", "none")
+    assert Settings().runner.history_retention_days is None  # kept for ever
+    monkeypatch.setenv("APPLIANCE_RUNNER__HISTORY_RETENTION_DAYS", "3")
+    # Shorter than the archive's 7 days would delete messages as they are archived.
+    with pytest.raises(ValidationError, match=r"history_retention_days \(3\) must be at least"):
+        Settings()
+    monkeypatch.setenv("APPLIANCE_RUNNER__ARCHIVE_RETENTION_DAYS", "2")
+    assert Settings().runner.history_retention_days == 3
