@@ -882,9 +882,15 @@ DECLARE
     at timestamptz := coalesce(p_now, now());
     m date;
     scopes text[] := ARRAY['appliance', 'tenant:' || p_tenant];
+    live constant interval := interval '1 minute';
     r record;
     lim numeric;
+    ahead numeric;
+    ahead_n integer;
     hold bigint;
+    refused record;
+    is_refused boolean := false;
+    waiting text[] := '{}';
 BEGIN
     IF p_amount IS NULL OR p_amount <= 0 THEN
         RAISE EXCEPTION 'spend_reserve: the amount must be > 0 (a call that cannot be priced '
@@ -906,13 +912,18 @@ BEGIN
     INSERT INTO spend_months (month, scope, created_at)
     SELECT m, s, at FROM unnest(scopes) AS s
     ON CONFLICT DO NOTHING;
+    -- Both scopes' rows locked, in scope order, before either is judged: their waiters are
+    -- read and written under these locks.
+    PERFORM 1 FROM spend_months sm
+    WHERE sm.month = m AND sm.scope = ANY(scopes)
+    ORDER BY sm.scope
+    FOR UPDATE;
     FOR r IN
         SELECT sm.scope, sm.spent, sm.reserved, c.monthly_cap
         FROM spend_months sm
         LEFT JOIN spend_caps c ON c.scope = sm.scope
         WHERE sm.month = m AND sm.scope = ANY(scopes)
         ORDER BY sm.scope
-        FOR UPDATE OF sm
     LOOP
         IF r.monthly_cap IS NULL THEN
             IF r.scope = 'appliance' THEN
@@ -927,7 +938,9 @@ BEGIN
         IF r.scope = 'appliance' AND p_lane <> 'interactive' THEN
             lim := r.monthly_cap * (1 - cfg.interactive_share);
         END IF;
-        IF r.spent + r.reserved + p_amount > lim THEN
+        IF r.spent + p_amount > lim THEN
+            -- Spend alone leaves no room: the message waits in held_budget, out of every line.
+            DELETE FROM spend_waiters w WHERE w.message_id = p_message_id;
             RETURN QUERY SELECT NULL::bigint,
                 CASE WHEN r.scope = 'appliance' AND p_lane <> 'interactive'
                      THEN format('money: %s work may use %s of the appliance cap %s %s '
@@ -941,7 +954,59 @@ BEGIN
                 m, lim, r.spent, r.reserved;
             RETURN;
         END IF;
+        -- The live waiters ahead of this call in this scope: first refused before it (or at
+        -- all, when it is not waiting yet), of its lane or a more urgent one.
+        SELECT coalesce(sum(w.amount), 0), count(*) INTO ahead, ahead_n
+        FROM spend_waiters w
+        LEFT JOIN spend_waiters me
+          ON me.month = m AND me.scope = r.scope AND me.message_id = p_message_id
+        WHERE p_message_id IS NOT NULL
+          AND w.month = m AND w.scope = r.scope AND w.message_id <> p_message_id
+          AND w.seen_at > at - live
+          AND (me.message_id IS NULL OR (w.since, w.message_id) < (me.since, me.message_id))
+          AND array_position(ARRAY['interactive', 'system', 'batch']::lane[], w.lane)
+              <= array_position(ARRAY['interactive', 'system', 'batch']::lane[], p_lane);
+        IF r.spent + r.reserved + ahead + p_amount > lim THEN
+            waiting := waiting || r.scope::text;
+            IF NOT is_refused THEN
+                is_refused := true;
+                SELECT r.scope AS scope, lim AS lim, r.spent AS spent, r.reserved AS reserved,
+                       ahead AS ahead, ahead_n AS ahead_n, r.monthly_cap AS cap
+                INTO refused;
+            END IF;
+        END IF;
     END LOOP;
+    IF is_refused THEN
+        -- Held by calls in flight (or kept for earlier waiters): in line in every scope that
+        -- refused it, from its first refusal.
+        IF p_message_id IS NOT NULL THEN
+            INSERT INTO spend_waiters AS w (month, scope, message_id, lane, amount, since,
+                                            seen_at)
+            SELECT m, s, p_message_id, p_lane, p_amount, at, at FROM unnest(waiting) AS s
+            ON CONFLICT ON CONSTRAINT spend_waiters_pkey DO UPDATE
+            SET lane = excluded.lane, amount = excluded.amount, seen_at = excluded.seen_at;
+            -- Waiters gone for an hour (their work ended or moved on, or their month did)
+            -- are forgotten.
+            DELETE FROM spend_waiters w WHERE w.seen_at < at - interval '1 hour';
+        END IF;
+        RETURN QUERY SELECT NULL::bigint,
+            CASE WHEN refused.scope = 'appliance' AND p_lane <> 'interactive'
+                 THEN format('money: %s work may use %s of the appliance cap %s %s '
+                             '(the rest is kept for interactive work)',
+                             p_lane, 1 - cfg.interactive_share, refused.cap, cfg.currency)
+                 WHEN refused.scope = 'appliance'
+                 THEN format('money: appliance monthly cap %s %s', refused.cap, cfg.currency)
+                 ELSE format('money: %s monthly cap %s %s', refused.scope, refused.cap,
+                             cfg.currency) END
+            || CASE WHEN refused.ahead_n > 0
+                    THEN format(' (room kept for %s earlier call%s asking %s)',
+                                refused.ahead_n, CASE WHEN refused.ahead_n = 1 THEN '' ELSE 's'
+                                                 END, refused.ahead)
+                    ELSE '' END,
+            m, refused.lim, refused.spent, refused.reserved;
+        RETURN;
+    END IF;
+    DELETE FROM spend_waiters w WHERE w.message_id = p_message_id;
     UPDATE spend_months sm SET reserved = sm.reserved + p_amount
     WHERE sm.month = m AND sm.scope = ANY(scopes);
     INSERT INTO spend_ledger (month, tenant, lane, message_id, lease_token, pipeline, stage, kind,
@@ -1563,6 +1628,23 @@ CREATE TABLE appliance.spend_months (
 ALTER TABLE appliance.spend_months OWNER TO appliance_owner;
 
 --
+-- Name: spend_waiters; Type: TABLE; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TABLE appliance.spend_waiters (
+    month date NOT NULL,
+    scope text NOT NULL,
+    message_id bigint NOT NULL,
+    lane appliance.lane NOT NULL,
+    amount numeric NOT NULL,
+    since timestamp with time zone NOT NULL,
+    seen_at timestamp with time zone NOT NULL,
+    CONSTRAINT spend_waiters_amount_check CHECK ((amount > (0)::numeric))
+);
+
+ALTER TABLE appliance.spend_waiters OWNER TO appliance_owner;
+
+--
 -- Name: stage_routes; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1761,6 +1843,13 @@ ALTER TABLE ONLY appliance.spend_months
     ADD CONSTRAINT spend_months_pkey PRIMARY KEY (month, scope);
 
 --
+-- Name: spend_waiters spend_waiters_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+--
+
+ALTER TABLE ONLY appliance.spend_waiters
+    ADD CONSTRAINT spend_waiters_pkey PRIMARY KEY (month, scope, message_id);
+
+--
 -- Name: stage_routes stage_routes_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
 --
 
@@ -1926,6 +2015,12 @@ CREATE INDEX spend_ledger_month_idx ON appliance.spend_ledger USING btree (month
 --
 
 CREATE INDEX spend_ledger_reserved_idx ON appliance.spend_ledger USING btree (id) WHERE (status = 'reserved'::text);
+
+--
+-- Name: spend_waiters_message_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX spend_waiters_message_idx ON appliance.spend_waiters USING btree (message_id);
 
 --
 -- Name: agent_messages_archive_default_id_idx; Type: INDEX ATTACH; Schema: appliance; Owner: appliance_owner
@@ -2388,6 +2483,12 @@ GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_ledger TO appliance_system;
 --
 
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.spend_months TO appliance_system;
+
+--
+-- Name: TABLE spend_waiters; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE appliance.spend_waiters TO appliance_system;
 
 --
 -- Name: TABLE stage_routes; Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -523,3 +523,96 @@ async def test_a_calibration_prices_only_the_file_it_measured(db: Database) -> N
     )
     priced = await runtime.pricing(Settings(), db)
     assert priced.joules_per_token[small.name] == Decimal("0.5")
+
+
+async def test_a_call_deferred_for_room_in_flight_keeps_its_place_in_line(
+    spend: PgSpendStore, db: Database
+) -> None:
+    """Migration 0026. A large call refused because the room is held by calls in flight was
+    deferred, and smaller calls that asked after it took the room each time some was freed:
+    it could wait until the month's end. Now later calls of its lane (or a less urgent one)
+    leave it the room; a more urgent lane never waits for it; a waiter that stops asking
+    stops holding room after a minute, and a refusal by spend alone ends its wait."""
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    await spend.set_cap("appliance", Decimal("1.0"))
+    bus = Bus(PgRunnerStore(db))
+    for sid in ("first", "big", "small", "urgent"):
+        lane = Lane.BATCH if sid != "urgent" else Lane.INTERACTIVE
+        await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id=sid,
+                          directive="d", lane=lane)  # fmt: skip
+    taken = {m.source_id: m for m in await bus.claim("w", limit=4)}
+    first, big, small, urgent = (taken[s] for s in ("first", "big", "small", "urgent"))
+    t0 = datetime(2031, 7, 10, 12, 0, tzinfo=UTC)
+
+    async def ask(m: Any, amount: str, at: datetime) -> int | Refusal:
+        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+
+    held = await ask(first, "0.3", t0)
+    assert isinstance(held, int)
+    # Batch work may use 0.8: 0.3 in flight leaves 0.5, the big call needs 0.6.
+    refused = await ask(big, "0.6", t0)
+    assert isinstance(refused, Refusal) and not refused.exhausted
+    # 0.3 + 0.2 fits beside the call in flight, but the room is the big call's first.
+    behind = await ask(small, "0.2", t0 + timedelta(seconds=1))
+    assert isinstance(behind, Refusal) and not behind.exhausted
+    assert "room kept for 1 earlier call asking 0.6" in behind.dimension
+    # Interactive work never waits for batch work.
+    fast = await ask(urgent, "0.2", t0 + timedelta(seconds=1))
+    assert isinstance(fast, int)
+    await spend.settle(fast, amount=Decimal("0.1"), energy_joules=1.0, provenance="estimated",
+                       now=t0)  # fmt: skip
+    # The call in flight settles: the big call, back from its deferral, now fits.
+    await spend.settle(held, amount=Decimal("0.1"), energy_joules=1.0, provenance="estimated",
+                       now=t0)  # fmt: skip
+    again = await ask(big, "0.6", t0 + timedelta(seconds=2))
+    assert isinstance(again, int)
+    async with db.system_conn() as conn:
+        rows = await (
+            await conn.execute("SELECT message_id FROM spend_waiters ORDER BY since")
+        ).fetchall()
+    assert [r["message_id"] for r in rows] == [small.id]  # the big call's wait is over
+
+    # A waiter that stops asking (its message cancelled, say) holds room for a minute only.
+    await spend.settle(again, amount=Decimal("0.6"), energy_joules=1.0, provenance="estimated",
+                       now=t0)  # fmt: skip
+    # Spent 0.8 of batch's 0.8: the small call can never fit; its wait ends, named as spend.
+    final = await ask(small, "0.2", t0 + timedelta(seconds=3))
+    assert isinstance(final, Refusal) and final.exhausted
+    async with db.system_conn() as conn:
+        left = await (await conn.execute("SELECT count(*) AS n FROM spend_waiters")).fetchone()
+    assert left is not None and left["n"] == 0
+
+
+async def test_a_waiter_that_stops_asking_stops_holding_room(
+    spend: PgSpendStore, db: Database
+) -> None:
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    await spend.set_cap("appliance", Decimal("1.0"))
+    bus = Bus(PgRunnerStore(db))
+    for sid in ("first", "gone", "later"):
+        await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id=sid,
+                          directive="d")  # fmt: skip
+    taken = {m.source_id: m for m in await bus.claim("w", limit=3)}
+    t0 = datetime(2031, 8, 10, 12, 0, tzinfo=UTC)
+
+    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
+        m = taken[sid]
+        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+
+    assert isinstance(await ask("first", "0.5", t0), int)
+    assert isinstance(await ask("gone", "0.6", t0), Refusal)  # in line for 0.6
+    assert isinstance(await ask("later", "0.1", t0 + timedelta(seconds=30)), Refusal)
+    # "gone" never asks again: a minute after its last refusal its room is free.
+    assert isinstance(await ask("later", "0.1", t0 + timedelta(seconds=61)), int)
+    # Back after all: it kept its place ahead of "later", whose wait ended with its hold.
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT since FROM spend_waiters WHERE message_id = %s", (taken["gone"].id,)
+            )
+        ).fetchone()
+    assert row is not None and row["since"] == t0
