@@ -234,6 +234,20 @@ class Settings(BaseSettings):
         default=None, validation_alias=AliasChoices("APPLIANCE_PG_BINDIR")
     )
 
+    @model_validator(mode="after")
+    def _history_outlives_the_keys(self) -> Settings:
+        # A duplicate request is answered with its first message's id while the key lives: that
+        # message (and its log) must still be there to show.
+        kept = self.runner.history_retention_days
+        keys = self.bus.idempotency_retention_days
+        if kept is not None and kept < keys:
+            raise ValueError(
+                f"runner.history_retention_days ({kept:g}) must be at least"
+                f" bus.idempotency_retention_days ({keys:g}): a duplicate request is answered"
+                " with the id of the message its key names"
+            )
+        return self
+
     def model_post_init(self, __context: object) -> None:
         if self.database_url:
             self.db.url = self.database_url
@@ -247,6 +261,10 @@ def settings_error_text(exc: ValidationError) -> str:
     parts = []
     for error in exc.errors():
         path = [str(p) for p in error["loc"]]
+        if not path:
+            # A rule across sections (its message names the settings): no one variable to name.
+            parts.append(str(error["msg"]).removeprefix("Value error, "))
+            continue
         name = ".".join(path)
         variable = (
             path[0] if path[0].startswith("APPLIANCE_") else "APPLIANCE_" + "__".join(path).upper()

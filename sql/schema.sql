@@ -456,6 +456,7 @@ DECLARE
     n integer;
     part regclass;
     part_name text;
+    month_end timestamptz;
     after_id bigint;
     ids bigint[];
 BEGIN
@@ -467,38 +468,54 @@ BEGIN
     IF NOT pg_try_advisory_xact_lock(hashtext('appliance.prune_history')) THEN
         RETURN 0;
     END IF;
+    DELETE FROM prune_cursors pc WHERE to_regclass('appliance.' || pc.name) IS NULL;
 
-    -- 1. Archive months that ended before the cutoff, oldest first. archive_messages names
-    --    each month's partition agent_messages_archive_yYYYYmMM, bounded by the UTC month.
-    WHILE done < p_batch LOOP
-        SELECT c.oid::regclass, c.relname INTO part, part_name
-        FROM pg_inherits i
-        JOIN pg_class c ON c.oid = i.inhrelid
-        WHERE i.inhparent = 'agent_messages_archive'::regclass
-          AND c.relname ~ '^agent_messages_archive_y[0-9]{4}m[0-9]{2}$'
-          AND ((to_date(right(c.relname, 8), '"y"YYYY"m"MM') + interval '1 month')::timestamp
-               AT TIME ZONE 'UTC') <= p_cutoff
-        ORDER BY c.relname
-        LIMIT 1;
-        EXIT WHEN NOT FOUND;
+    -- 1. The oldest archive month that ended before the cutoff. archive_messages names each
+    --    month's partition agent_messages_archive_yYYYYmMM, bounded by the UTC month.
+    SELECT c.oid::regclass, c.relname,
+           (to_date(right(c.relname, 8), '"y"YYYY"m"MM') + interval '1 month')::timestamp
+               AT TIME ZONE 'UTC'
+    INTO part, part_name, month_end
+    FROM pg_inherits i
+    JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent = 'agent_messages_archive'::regclass
+      AND c.relname ~ '^agent_messages_archive_y[0-9]{4}m[0-9]{2}$'
+      AND ((to_date(right(c.relname, 8), '"y"YYYY"m"MM') + interval '1 month')::timestamp
+           AT TIME ZONE 'UTC') <= p_cutoff
+    ORDER BY c.relname
+    LIMIT 1;
+    -- Swept only once nothing more can arrive: no finished message of the month is still in
+    -- the envelope (the archiver lags, or the archive retention is as long as this one).
+    IF part IS NOT NULL AND NOT EXISTS (
+        SELECT FROM agent_messages h
+        WHERE h.status IN ('done', 'cancelled', 'expired') AND h.finished_at < month_end
+    ) THEN
         SELECT pc.last_id INTO after_id FROM prune_cursors pc WHERE pc.name = part_name;
         EXECUTE format('SELECT array_agg(s.id ORDER BY s.id) FROM'
                        ' (SELECT a.id FROM %s a WHERE a.id > $1 ORDER BY a.id LIMIT $2) AS s',
                        part)
-            INTO ids USING coalesce(after_id, 0), p_batch - done;
+            INTO ids USING coalesce(after_id, 0), p_batch;
         n := coalesce(cardinality(ids), 0);
         IF n > 0 THEN
             DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
             INSERT INTO prune_cursors AS pc (name, last_id) VALUES (part_name, ids[n])
             ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id;
-            done := done + n;
+            done := n;
         END IF;
-        -- A short sweep has reached the month's end: the month goes, rows and all.
-        IF done < p_batch THEN
-            EXECUTE format('DROP TABLE %s', part);
-            DELETE FROM prune_cursors pc WHERE pc.name = part_name;
+        IF n < p_batch THEN
+            -- The sweep has reached the month's end: the month goes, rows and all. Only this
+            -- step is undone when a reader holds the archive past the lock timeout.
+            BEGIN
+                EXECUTE format('DROP TABLE %s', part);
+                DELETE FROM prune_cursors pc WHERE pc.name = part_name;
+                -- The DROP holds the archive until commit: end the call here.
+                RETURN done;
+            EXCEPTION WHEN lock_not_available THEN
+                RAISE NOTICE 'prune_history: the archive is in use (%); % is dropped next round',
+                    SQLERRM, part_name;
+            END;
         END IF;
-    END LOOP;
+    END IF;
 
     -- 2. Rows of the default partition (months archived before they had partitions).
     IF done < p_batch THEN
@@ -513,22 +530,28 @@ BEGIN
         END IF;
     END IF;
 
-    -- 3. Model calls made before the cutoff.
+    -- 3. Model calls made before the cutoff, but for work still in the envelope.
     IF done < p_batch THEN
         DELETE FROM inference_calls c
-        WHERE c.id = ANY (ARRAY(SELECT i.id FROM inference_calls i WHERE i.at < p_cutoff
-                                ORDER BY i.at LIMIT p_batch - done));
+        WHERE c.id = ANY (ARRAY(
+            SELECT i.id FROM inference_calls i
+            WHERE i.at < p_cutoff
+              AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = i.message_id)
+            ORDER BY i.at LIMIT p_batch - done));
         GET DIAGNOSTICS n = ROW_COUNT;
         done := done + n;
     END IF;
 
     -- 4. Ledger lines of months that ended before the cutoff (an open reservation stays until
-    --    it is settled or released), then those months' alerts.
+    --    it is settled or released; so do the lines of work still in the envelope), then those
+    --    months' alerts.
     IF done < p_batch THEN
         DELETE FROM spend_ledger l
-        WHERE l.id = ANY (ARRAY(SELECT s.id FROM spend_ledger s
-                                WHERE s.month < spend_month(p_cutoff) AND s.status <> 'reserved'
-                                ORDER BY s.month LIMIT p_batch - done));
+        WHERE l.id = ANY (ARRAY(
+            SELECT s.id FROM spend_ledger s
+            WHERE s.month < spend_month(p_cutoff) AND s.status <> 'reserved'
+              AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = s.message_id)
+            ORDER BY s.month LIMIT p_batch - done));
         GET DIAGNOSTICS n = ROW_COUNT;
         done := done + n;
     END IF;
@@ -551,9 +574,6 @@ BEGIN
         done := done + n;
     END IF;
     RETURN done;
-EXCEPTION WHEN lock_not_available THEN
-    RAISE NOTICE 'prune_history: the archive is in use (%); trying again next round', SQLERRM;
-    RETURN 0;
 END
 $_$;
 
@@ -882,11 +902,14 @@ DECLARE
     at timestamptz := coalesce(p_now, now());
     m date;
     scopes text[] := ARRAY['appliance', 'tenant:' || p_tenant];
-    live constant interval := interval '1 minute';
     r record;
     lim numeric;
+    share numeric;
+    held_i numeric;
+    held_s numeric;
     ahead numeric;
     ahead_n integer;
+    my_since timestamptz;
     hold bigint;
     refused record;
     is_refused boolean := false;
@@ -907,6 +930,7 @@ BEGIN
             p_message_id, p_lease_token USING ERRCODE = 'lock_not_available';
     END IF;
     SELECT * INTO cfg FROM spend_config;
+    share := 1 - cfg.interactive_share;
     m := spend_month(at);
     -- The month's rows start once (a rollover creates them on its first reservation).
     INSERT INTO spend_months (month, scope, created_at)
@@ -918,6 +942,12 @@ BEGIN
     WHERE sm.month = m AND sm.scope = ANY(scopes)
     ORDER BY sm.scope
     FOR UPDATE;
+    -- This message's one place in line: its first refusal this month, in any scope.
+    IF p_message_id IS NOT NULL THEN
+        SELECT min(w.since) INTO my_since
+        FROM spend_waiters w WHERE w.message_id = p_message_id AND w.month = m;
+    END IF;
+    my_since := coalesce(my_since, at);
     FOR r IN
         SELECT sm.scope, sm.spent, sm.reserved, c.monthly_cap
         FROM spend_months sm
@@ -927,6 +957,7 @@ BEGIN
     LOOP
         IF r.monthly_cap IS NULL THEN
             IF r.scope = 'appliance' THEN
+                DELETE FROM spend_waiters w WHERE w.message_id = p_message_id;
                 RETURN QUERY SELECT NULL::bigint,
                     'money: no monthly cap is set (appliance cap set AMOUNT)'::text, m,
                     NULL::numeric, r.spent, r.reserved;
@@ -936,7 +967,7 @@ BEGIN
         END IF;
         lim := r.monthly_cap;
         IF r.scope = 'appliance' AND p_lane <> 'interactive' THEN
-            lim := r.monthly_cap * (1 - cfg.interactive_share);
+            lim := r.monthly_cap * share;
         END IF;
         IF r.spent + p_amount > lim THEN
             -- Spend alone leaves no room: the message waits in held_budget, out of every line.
@@ -945,7 +976,7 @@ BEGIN
                 CASE WHEN r.scope = 'appliance' AND p_lane <> 'interactive'
                      THEN format('money: %s work may use %s of the appliance cap %s %s '
                                  '(the rest is kept for interactive work)',
-                                 p_lane, 1 - cfg.interactive_share, r.monthly_cap, cfg.currency)
+                                 p_lane, share, r.monthly_cap, cfg.currency)
                      WHEN r.scope = 'appliance'
                      THEN format('money: appliance monthly cap %s %s', r.monthly_cap,
                                  cfg.currency)
@@ -954,18 +985,49 @@ BEGIN
                 m, lim, r.spent, r.reserved;
             RETURN;
         END IF;
-        -- The live waiters ahead of this call in this scope: first refused before it (or at
-        -- all, when it is not waiting yet), of its lane or a more urgent one.
-        SELECT coalesce(sum(w.amount), 0), count(*) INTO ahead, ahead_n
-        FROM spend_waiters w
-        LEFT JOIN spend_waiters me
-          ON me.month = m AND me.scope = r.scope AND me.message_id = p_message_id
-        WHERE p_message_id IS NOT NULL
-          AND w.month = m AND w.scope = r.scope AND w.message_id <> p_message_id
-          AND w.seen_at > at - live
-          AND (me.message_id IS NULL OR (w.since, w.message_id) < (me.since, me.message_id))
-          AND array_position(ARRAY['interactive', 'system', 'batch']::lane[], w.lane)
-              <= array_position(ARRAY['interactive', 'system', 'batch']::lane[], p_lane);
+        ahead := 0;
+        ahead_n := 0;
+        IF p_message_id IS NOT NULL AND EXISTS (
+            SELECT FROM spend_waiters w
+            WHERE w.month = m AND w.scope = r.scope
+              AND (w.since, w.message_id) < (my_since, p_message_id)
+        ) THEN
+            -- What the more urgent lanes hold in this scope: room a waiter of a less urgent
+            -- lane cannot count on (the open reservations are the calls in flight, few).
+            SELECT coalesce(sum(l.reserved) FILTER (WHERE l.lane = 'interactive'), 0),
+                   coalesce(sum(l.reserved) FILTER (WHERE l.lane = 'system'), 0)
+            INTO held_i, held_s
+            FROM spend_ledger l
+            WHERE l.status = 'reserved' AND l.month = m
+              AND (r.scope = 'appliance' OR l.tenant = p_tenant);
+            -- The live waiters ahead of this call: placed before it, of its lane or a more
+            -- urgent one (the lane enum is in claim order), still pending or running, and
+            -- able to gather their room.
+            -- The first 1,000 of the line at most, whatever they are: bounded work under the
+            -- lock every reservation of the scope takes (a longer line only keeps less room
+            -- for its tail; the cap itself never depends on it).
+            SELECT coalesce(sum(a.amount), 0), count(*) INTO ahead, ahead_n
+            FROM (
+                SELECT w.message_id, w.lane, w.amount, w.seen_at
+                FROM spend_waiters w
+                WHERE w.month = m AND w.scope = r.scope
+                  AND (w.since, w.message_id) < (my_since, p_message_id)
+                ORDER BY w.since, w.message_id
+                LIMIT 1000
+            ) AS a
+            JOIN agent_messages h
+              ON h.id = a.message_id AND h.status IN ('pending', 'running')
+            WHERE a.message_id <> p_message_id
+              AND a.lane <= p_lane
+              AND a.seen_at > at - interval '1 hour'
+              AND r.spent
+                  + CASE a.lane WHEN 'interactive' THEN 0
+                                WHEN 'system' THEN held_i
+                                ELSE held_i + held_s END
+                  + a.amount
+                  <= CASE WHEN r.scope = 'appliance' AND a.lane <> 'interactive'
+                          THEN r.monthly_cap * share ELSE r.monthly_cap END;
+        END IF;
         IF r.spent + r.reserved + ahead + p_amount > lim THEN
             waiting := waiting || r.scope::text;
             IF NOT is_refused THEN
@@ -977,23 +1039,25 @@ BEGIN
         END IF;
     END LOOP;
     IF is_refused THEN
-        -- Held by calls in flight (or kept for earlier waiters): in line in every scope that
-        -- refused it, from its first refusal.
+        -- Held by calls in flight (or kept for earlier waiters): in line, at its one place,
+        -- in every scope that refused it, and out of the others.
         IF p_message_id IS NOT NULL THEN
             INSERT INTO spend_waiters AS w (month, scope, message_id, lane, amount, since,
                                             seen_at)
-            SELECT m, s, p_message_id, p_lane, p_amount, at, at FROM unnest(waiting) AS s
+            SELECT m, s, p_message_id, p_lane, p_amount, my_since, at FROM unnest(waiting) AS s
             ON CONFLICT ON CONSTRAINT spend_waiters_pkey DO UPDATE
-            SET lane = excluded.lane, amount = excluded.amount, seen_at = excluded.seen_at;
-            -- Waiters gone for an hour (their work ended or moved on, or their month did)
-            -- are forgotten.
+            SET lane = excluded.lane, amount = excluded.amount, since = excluded.since,
+                seen_at = excluded.seen_at;
+            DELETE FROM spend_waiters w
+            WHERE w.message_id = p_message_id AND w.month = m AND w.scope <> ALL (waiting);
+            -- Waiters gone for an hour (their work ended, or their month did) are forgotten.
             DELETE FROM spend_waiters w WHERE w.seen_at < at - interval '1 hour';
         END IF;
         RETURN QUERY SELECT NULL::bigint,
             CASE WHEN refused.scope = 'appliance' AND p_lane <> 'interactive'
                  THEN format('money: %s work may use %s of the appliance cap %s %s '
                              '(the rest is kept for interactive work)',
-                             p_lane, 1 - cfg.interactive_share, refused.cap, cfg.currency)
+                             p_lane, share, refused.cap, cfg.currency)
                  WHEN refused.scope = 'appliance'
                  THEN format('money: appliance monthly cap %s %s', refused.cap, cfg.currency)
                  ELSE format('money: %s monthly cap %s %s', refused.scope, refused.cap,
@@ -2017,10 +2081,22 @@ CREATE INDEX spend_ledger_month_idx ON appliance.spend_ledger USING btree (month
 CREATE INDEX spend_ledger_reserved_idx ON appliance.spend_ledger USING btree (id) WHERE (status = 'reserved'::text);
 
 --
+-- Name: spend_waiters_line_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX spend_waiters_line_idx ON appliance.spend_waiters USING btree (month, scope, since, message_id) INCLUDE (lane, amount, seen_at);
+
+--
 -- Name: spend_waiters_message_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
 CREATE INDEX spend_waiters_message_idx ON appliance.spend_waiters USING btree (message_id);
+
+--
+-- Name: spend_waiters_seen_at_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE INDEX spend_waiters_seen_at_idx ON appliance.spend_waiters USING btree (seen_at);
 
 --
 -- Name: agent_messages_archive_default_id_idx; Type: INDEX ATTACH; Schema: appliance; Owner: appliance_owner

@@ -585,18 +585,34 @@ async def test_a_call_deferred_for_room_in_flight_keeps_its_place_in_line(
     assert left is not None and left["n"] == 0
 
 
-async def test_a_waiter_that_stops_asking_stops_holding_room(
+async def _running(db: Database, spec: dict[str, tuple[str, Lane]]) -> dict[str, Any]:
+    """One running message per source id (tenant, lane), leased by worker w."""
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    bus = Bus(PgRunnerStore(db))
+    for sid, (tenant, lane) in spec.items():
+        await bus.enqueue(tenant=tenant, pipeline="p", stage="s", source="t", source_id=sid,
+                          directive="d", lane=lane)  # fmt: skip
+    taken: dict[str, Any] = {}
+    while len(taken) < len(spec):
+        claimed = await bus.claim("w", limit=len(spec))
+        assert claimed, f"claimed {sorted(taken)} of {sorted(spec)}"
+        taken.update((m.source_id, m) for m in claimed)
+    return taken
+
+
+async def test_a_waiter_whose_message_ended_stops_holding_room(
     spend: PgSpendStore, db: Database
 ) -> None:
+    # A waiter counts only while its message is pending or running (migration 0028): one that
+    # was cancelled kept later calls out for a minute.
     from appliance.bus.core import Bus
     from appliance.db.runner_store import PgRunnerStore
 
     await spend.set_cap("appliance", Decimal("1.0"))
-    bus = Bus(PgRunnerStore(db))
-    for sid in ("first", "gone", "later"):
-        await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id=sid,
-                          directive="d")  # fmt: skip
-    taken = {m.source_id: m for m in await bus.claim("w", limit=3)}
+    lane = ("acme", Lane.INTERACTIVE)
+    taken = await _running(db, {"first": lane, "gone": lane, "later": lane})
     t0 = datetime(2031, 8, 10, 12, 0, tzinfo=UTC)
 
     async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
@@ -605,14 +621,79 @@ async def test_a_waiter_that_stops_asking_stops_holding_room(
 
     assert isinstance(await ask("first", "0.5", t0), int)
     assert isinstance(await ask("gone", "0.6", t0), Refusal)  # in line for 0.6
-    assert isinstance(await ask("later", "0.1", t0 + timedelta(seconds=30)), Refusal)
-    # "gone" never asks again: a minute after its last refusal its room is free.
-    assert isinstance(await ask("later", "0.1", t0 + timedelta(seconds=61)), int)
-    # Back after all: it kept its place ahead of "later", whose wait ended with its hold.
-    async with db.system_conn() as conn:
-        row = await (
-            await conn.execute(
-                "SELECT since FROM spend_waiters WHERE message_id = %s", (taken["gone"].id,)
-            )
-        ).fetchone()
-    assert row is not None and row["since"] == t0
+    kept_back = await ask("later", "0.1", t0 + timedelta(seconds=30))
+    assert isinstance(kept_back, Refusal) and "room kept for 1 earlier call" in kept_back.dimension
+    await Bus(PgRunnerStore(db)).cancel("acme", taken["gone"].id)
+    assert isinstance(await ask("later", "0.1", t0 + timedelta(seconds=31)), int)
+
+
+async def test_a_waiter_more_urgent_work_keeps_from_fitting_holds_up_no_one(
+    spend: PgSpendStore, db: Database
+) -> None:
+    # Batch may use 0.8 of 1.0. While interactive work keeps 0.3 in flight, a 0.6 batch call
+    # cannot fit, and its room cannot gather: later batch calls that fit go ahead (under 0026
+    # every one of them was refused). Once the interactive work settles, its room can gather,
+    # and they leave it that room.
+    await spend.set_cap("appliance", Decimal("1.0"))
+    taken = await _running(
+        db,
+        {
+            "live": ("acme", Lane.INTERACTIVE),
+            "big": ("acme", Lane.BATCH),
+            "small": ("acme", Lane.BATCH),
+            "next": ("acme", Lane.BATCH),
+        },
+    )
+    t0 = datetime(2031, 9, 10, 12, 0, tzinfo=UTC)
+
+    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
+        m = taken[sid]
+        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+
+    live = await ask("live", "0.3", t0)
+    assert isinstance(live, int)
+    assert isinstance(await ask("big", "0.6", t0), Refusal)
+    small = await ask("small", "0.1", t0 + timedelta(seconds=1))
+    assert isinstance(small, int)
+    await spend.settle(live, amount=Decimal(0), energy_joules=None, provenance=None,
+                       released=True, now=t0)  # fmt: skip
+    kept_back = await ask("next", "0.2", t0 + timedelta(seconds=2))
+    assert isinstance(kept_back, Refusal) and "room kept for 1 earlier call" in kept_back.dimension
+    await spend.settle(small, amount=Decimal(0), energy_joules=None, provenance=None,
+                       released=True, now=t0)  # fmt: skip
+    assert isinstance(await ask("big", "0.6", t0 + timedelta(seconds=3)), int)
+
+
+async def test_two_waiters_stand_in_one_order_in_every_scope(
+    spend: PgSpendStore, db: Database
+) -> None:
+    # A message has one place in line, its first refusal in any scope. Placed by scope, two
+    # waiters of acme stood in opposite orders in acme's line and the appliance's, and with
+    # nothing in flight neither fitted (nor did anyone behind them) for a minute at a time.
+    await spend.set_cap("appliance", Decimal("12"))
+    await spend.set_cap("tenant:acme", Decimal("10"))
+    urgent = Lane.INTERACTIVE
+    taken = await _running(
+        db,
+        {"h1": ("acme", urgent), "w1": ("acme", urgent), "h2": ("globex", urgent),
+         "w2": ("acme", urgent)},
+    )  # fmt: skip
+    t0 = datetime(2031, 10, 10, 12, 0, tzinfo=UTC)
+
+    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
+        m = taken[sid]
+        return await reserve(spend, at, tenant=m.tenant, lease=m.lease, lane=m.lane,
+                             amount=Decimal(amount))  # fmt: skip
+
+    h1 = await ask("h1", "4", t0)
+    assert isinstance(h1, int)
+    assert isinstance(await ask("w1", "7", t0 + timedelta(seconds=1)), Refusal)  # acme's line
+    h2 = await ask("h2", "2", t0 + timedelta(seconds=2))
+    assert isinstance(h2, int)
+    assert isinstance(await ask("w2", "7", t0 + timedelta(seconds=3)), Refusal)  # both lines
+    assert isinstance(await ask("w1", "7", t0 + timedelta(seconds=4)), Refusal)  # both lines
+    for hold in (h1, h2):
+        await spend.settle(hold, amount=Decimal(0), energy_joules=None, provenance=None,
+                           released=True, now=t0)  # fmt: skip
+    # Nothing in flight: the first in line fits at its next ask, in both scopes.
+    assert isinstance(await ask("w1", "7", t0 + timedelta(seconds=5)), int)

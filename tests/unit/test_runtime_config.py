@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from appliance import runtime
 from appliance.domain.errors import ConfigurationError
 from appliance.runtime import bus_config, runner_config
-from appliance.settings import BusSettings, Settings
+from appliance.settings import BusSettings, Settings, settings_error_text
 
 
 def test_spawned_work_follows_the_same_bus_rules_as_enqueued_work() -> None:
@@ -47,4 +47,15 @@ def test_history_retention_is_read_from_the_environment_and_checked(
     with pytest.raises(ValidationError, match=r"history_retention_days \(3\) must be at least"):
         Settings()
     monkeypatch.setenv("APPLIANCE_RUNNER__ARCHIVE_RETENTION_DAYS", "2")
+    # Shorter than the idempotency keys' 90 days: a duplicate would name a pruned message.
+    with pytest.raises(
+        ValidationError, match=r"must be at least bus.idempotency_retention_days"
+    ) as e:
+        Settings()
+    assert settings_error_text(e.value) == (
+        "settings: runner.history_retention_days (3) must be at least"
+        " bus.idempotency_retention_days (90): a duplicate request is answered with the id of"
+        " the message its key names"
+    )
+    monkeypatch.setenv("APPLIANCE_BUS__IDEMPOTENCY_RETENTION_DAYS", "3")
     assert Settings().runner.history_retention_days == 3
