@@ -126,12 +126,14 @@ BEGIN
         ) THEN
             -- What the more urgent lanes hold in this scope: room a waiter of a less urgent
             -- lane cannot count on (the open reservations are the calls in flight, few).
+            -- Read through the open holds' own index (ordered by it, whatever the statistics
+            -- say), never through the month's whole ledger.
             SELECT coalesce(sum(l.reserved) FILTER (WHERE l.lane = 'interactive'), 0),
                    coalesce(sum(l.reserved) FILTER (WHERE l.lane = 'system'), 0)
             INTO held_i, held_s
-            FROM spend_ledger l
-            WHERE l.status = 'reserved' AND l.month = m
-              AND (r.scope = 'appliance' OR l.tenant = p_tenant);
+            FROM (SELECT o.lane, o.reserved, o.month, o.tenant FROM spend_ledger o
+                  WHERE o.status = 'reserved' ORDER BY o.id LIMIT 100000) AS l
+            WHERE l.month = m AND (r.scope = 'appliance' OR l.tenant = p_tenant);
             -- The live waiters ahead of this call: placed before it, of its lane or a more
             -- urgent one (the lane enum is in claim order), still pending or running, and
             -- able to gather their room.
