@@ -459,6 +459,10 @@ DECLARE
     month_end timestamptz;
     after_id bigint;
     ids bigint[];
+    rows_gone integer;
+    last_cut bigint;
+    swept_to bigint;
+    swept integer;
 BEGIN
     IF p_cutoff IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
         RAISE EXCEPTION 'prune_history needs a cutoff and a batch of at least 1, got % and %',
@@ -486,93 +490,130 @@ BEGIN
     LIMIT 1;
     -- Swept only once nothing more can arrive: no finished message of the month is still in
     -- the envelope (the archiver lags, or the archive retention is as long as this one).
-    IF part IS NOT NULL AND NOT EXISTS (
+    IF part IS NOT NULL AND EXISTS (
         SELECT FROM agent_messages h
         WHERE h.status IN ('done', 'cancelled', 'expired') AND h.finished_at < month_end
     ) THEN
-        SELECT pc.last_id INTO after_id FROM prune_cursors pc WHERE pc.name = part_name;
-        EXECUTE format('SELECT array_agg(s.id ORDER BY s.id) FROM'
-                       ' (SELECT a.id FROM %s a WHERE a.id > $1 ORDER BY a.id LIMIT $2) AS s',
-                       part)
-            INTO ids USING coalesce(after_id, 0), p_batch;
-        n := coalesce(cardinality(ids), 0);
-        IF n > 0 THEN
-            DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
-            INSERT INTO prune_cursors AS pc (name, last_id) VALUES (part_name, ids[n])
-            ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id;
-            done := n;
-        END IF;
-        IF n < p_batch THEN
-            -- The sweep has reached the month's end: the month goes, rows and all. Only this
-            -- step is undone when a reader holds the archive past the lock timeout.
-            BEGIN
-                EXECUTE format('DROP TABLE %s', part);
-                DELETE FROM prune_cursors pc WHERE pc.name = part_name;
-                -- The DROP holds the archive until commit: end the call here.
-                RETURN done;
-            EXCEPTION WHEN lock_not_available THEN
-                RAISE NOTICE 'prune_history: the archive is in use (%); % is dropped next round',
-                    SQLERRM, part_name;
-            END;
-        END IF;
+        -- A message of the month is still on its way: the sweep starts again once all of it
+        -- has arrived (robust even to finishing times given in the past).
+        DELETE FROM prune_cursors pc WHERE pc.name = part_name;
+    ELSIF part IS NOT NULL THEN
+        BEGIN
+            SELECT pc.last_id INTO after_id FROM prune_cursors pc WHERE pc.name = part_name;
+            EXECUTE format('SELECT array_agg(s.id ORDER BY s.id) FROM'
+                           ' (SELECT a.id FROM %s a WHERE a.id > $1 ORDER BY a.id LIMIT $2)'
+                           ' AS s', part)
+                INTO ids USING coalesce(after_id, 0), p_batch;
+            n := coalesce(cardinality(ids), 0);
+            IF n > 0 THEN
+                -- At most ten log rows a message on average in one call: a message retried
+                -- or deferred many times has a long log. The cursor passes only messages
+                -- whose logs are gone; a call cut short counts as a full batch (more to do).
+                WITH gone AS (
+                    DELETE FROM message_transitions t
+                    WHERE t.ctid = ANY (ARRAY(
+                        SELECT x.ctid FROM message_transitions x WHERE x.message_id = ANY (ids)
+                        ORDER BY x.message_id, x.id LIMIT p_batch * 10))
+                    RETURNING t.message_id
+                )
+                SELECT count(*), max(g.message_id) INTO rows_gone, last_cut FROM gone AS g;
+                IF rows_gone < p_batch * 10 THEN
+                    after_id := ids[n];
+                    done := n;
+                ELSE
+                    SELECT max(x) INTO swept_to
+                    FROM unnest(ids) AS x WHERE x < last_cut;
+                    after_id := coalesce(swept_to, after_id);
+                    done := p_batch;
+                END IF;
+                IF after_id IS NOT NULL THEN
+                    INSERT INTO prune_cursors AS pc (name, last_id) VALUES (part_name, after_id)
+                    ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id;
+                END IF;
+            END IF;
+            IF n < p_batch AND done < p_batch THEN
+                -- The sweep has reached the month's end: the month goes, rows and all. Only
+                -- this step is undone when a reader holds the archive past the lock timeout.
+                BEGIN
+                    EXECUTE format('DROP TABLE %s', part);
+                    DELETE FROM prune_cursors pc WHERE pc.name = part_name;
+                    -- The DROP holds the archive until commit: end the call here.
+                    RETURN done;
+                EXCEPTION WHEN lock_not_available THEN
+                    RAISE NOTICE 'prune_history: the archive is in use (%); % is dropped next'
+                                 ' round', SQLERRM, part_name;
+                END;
+            END IF;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE 'prune_history: % is in use (%); swept next round', part_name, SQLERRM;
+            done := 0;
+        END;
     END IF;
 
-    -- 2. Rows of the default partition (months archived before they had partitions).
-    IF done < p_batch THEN
-        SELECT array_agg(s.id) INTO ids
-        FROM (SELECT d.id FROM agent_messages_archive_default d
-              WHERE d.finished_at < p_cutoff ORDER BY d.id LIMIT p_batch - done) AS s;
-        n := coalesce(cardinality(ids), 0);
-        IF n > 0 THEN
-            DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
-            DELETE FROM agent_messages_archive_default d WHERE d.id = ANY (ids);
+    -- The rest, undone alone when a lock is not had within the timeout (the archiver
+    -- creating a month's partition holds the default one): this call's sweep stays.
+    swept := done;
+    BEGIN
+        -- 2. Rows of the default partition (months archived before they had partitions).
+        IF done < p_batch THEN
+            SELECT array_agg(s.id) INTO ids
+            FROM (SELECT d.id FROM agent_messages_archive_default d
+                  WHERE d.finished_at < p_cutoff ORDER BY d.id LIMIT p_batch - done) AS s;
+            n := coalesce(cardinality(ids), 0);
+            IF n > 0 THEN
+                DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
+                DELETE FROM agent_messages_archive_default d WHERE d.id = ANY (ids);
+                done := done + n;
+            END IF;
+        END IF;
+
+        -- 3. Model calls made before the cutoff, but for work still in the envelope.
+        IF done < p_batch THEN
+            DELETE FROM inference_calls c
+            WHERE c.id = ANY (ARRAY(
+                SELECT i.id FROM inference_calls i
+                WHERE i.at < p_cutoff
+                  AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = i.message_id)
+                ORDER BY i.at LIMIT p_batch - done));
+            GET DIAGNOSTICS n = ROW_COUNT;
             done := done + n;
         END IF;
-    END IF;
 
-    -- 3. Model calls made before the cutoff, but for work still in the envelope.
-    IF done < p_batch THEN
-        DELETE FROM inference_calls c
-        WHERE c.id = ANY (ARRAY(
-            SELECT i.id FROM inference_calls i
-            WHERE i.at < p_cutoff
-              AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = i.message_id)
-            ORDER BY i.at LIMIT p_batch - done));
-        GET DIAGNOSTICS n = ROW_COUNT;
-        done := done + n;
-    END IF;
+        -- 4. Ledger lines of months that ended before the cutoff (an open reservation stays until
+        --    it is settled or released; so do the lines of work still in the envelope), then those
+        --    months' alerts.
+        IF done < p_batch THEN
+            DELETE FROM spend_ledger l
+            WHERE l.id = ANY (ARRAY(
+                SELECT s.id FROM spend_ledger s
+                WHERE s.month < spend_month(p_cutoff) AND s.status <> 'reserved'
+                  AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = s.message_id)
+                ORDER BY s.month LIMIT p_batch - done));
+            GET DIAGNOSTICS n = ROW_COUNT;
+            done := done + n;
+        END IF;
+        IF done < p_batch THEN
+            DELETE FROM spend_alerts a
+            WHERE a.ctid = ANY (ARRAY(SELECT s.ctid FROM spend_alerts s
+                                      WHERE s.month < spend_month(p_cutoff)
+                                      LIMIT p_batch - done));
+            GET DIAGNOSTICS n = ROW_COUNT;
+            done := done + n;
+        END IF;
 
-    -- 4. Ledger lines of months that ended before the cutoff (an open reservation stays until
-    --    it is settled or released; so do the lines of work still in the envelope), then those
-    --    months' alerts.
-    IF done < p_batch THEN
-        DELETE FROM spend_ledger l
-        WHERE l.id = ANY (ARRAY(
-            SELECT s.id FROM spend_ledger s
-            WHERE s.month < spend_month(p_cutoff) AND s.status <> 'reserved'
-              AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = s.message_id)
-            ORDER BY s.month LIMIT p_batch - done));
-        GET DIAGNOSTICS n = ROW_COUNT;
-        done := done + n;
-    END IF;
-    IF done < p_batch THEN
-        DELETE FROM spend_alerts a
-        WHERE a.ctid = ANY (ARRAY(SELECT s.ctid FROM spend_alerts s
-                                  WHERE s.month < spend_month(p_cutoff)
-                                  LIMIT p_batch - done));
-        GET DIAGNOSTICS n = ROW_COUNT;
-        done := done + n;
-    END IF;
-
-    -- 5. Runners stopped, or last seen (killed), before the cutoff.
-    IF done < p_batch THEN
-        DELETE FROM runners r
-        WHERE r.id = ANY (ARRAY(SELECT s.id FROM runners s
-                                WHERE coalesce(s.stopped_at, s.seen_at) < p_cutoff
-                                LIMIT p_batch - done));
-        GET DIAGNOSTICS n = ROW_COUNT;
-        done := done + n;
-    END IF;
+        -- 5. Runners stopped, or last seen (killed), before the cutoff.
+        IF done < p_batch THEN
+            DELETE FROM runners r
+            WHERE r.id = ANY (ARRAY(SELECT s.id FROM runners s
+                                    WHERE coalesce(s.stopped_at, s.seen_at) < p_cutoff
+                                    LIMIT p_batch - done));
+            GET DIAGNOSTICS n = ROW_COUNT;
+            done := done + n;
+        END IF;
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE NOTICE 'prune_history: %; the rest is pruned next round', SQLERRM;
+        RETURN swept;
+    END;
     RETURN done;
 END
 $_$;
@@ -905,8 +946,13 @@ DECLARE
     r record;
     lim numeric;
     share numeric;
-    held_i numeric;
-    held_s numeric;
+    held_all numeric;
+    held_tenant numeric;
+    app_spent numeric;
+    app_lim numeric;
+    ten_spent numeric;
+    ten_lim numeric;
+    can_gather boolean;
     ahead numeric;
     ahead_n integer;
     my_since timestamptz;
@@ -985,50 +1031,36 @@ BEGIN
                 m, lim, r.spent, r.reserved;
             RETURN;
         END IF;
+        IF r.scope = 'appliance' THEN
+            app_spent := r.spent;
+            app_lim := lim;
+        ELSE
+            ten_spent := r.spent;
+            ten_lim := lim;
+        END IF;
+        -- The waiters ahead of this call: placed before it, of its lane or a more urgent one
+        -- (the lane enum is in claim order), able to gather their room, asked within the
+        -- minute, and still pending or running. The first 1,000 of them at most: bounded work
+        -- under the lock every reservation of the scope takes (a longer line only keeps less
+        -- room for its tail; the cap itself never depends on it).
         ahead := 0;
         ahead_n := 0;
-        IF p_message_id IS NOT NULL AND EXISTS (
-            SELECT FROM spend_waiters w
-            WHERE w.month = m AND w.scope = r.scope
-              AND (w.since, w.message_id) < (my_since, p_message_id)
-        ) THEN
-            -- What the more urgent lanes hold in this scope: room a waiter of a less urgent
-            -- lane cannot count on (the open reservations are the calls in flight, few).
-            -- Read through the open holds' own index (ordered by it, whatever the statistics
-            -- say), never through the month's whole ledger.
-            SELECT coalesce(sum(l.reserved) FILTER (WHERE l.lane = 'interactive'), 0),
-                   coalesce(sum(l.reserved) FILTER (WHERE l.lane = 'system'), 0)
-            INTO held_i, held_s
-            FROM (SELECT o.lane, o.reserved, o.month, o.tenant FROM spend_ledger o
-                  WHERE o.status = 'reserved' ORDER BY o.id LIMIT 100000) AS l
-            WHERE l.month = m AND (r.scope = 'appliance' OR l.tenant = p_tenant);
-            -- The live waiters ahead of this call: placed before it, of its lane or a more
-            -- urgent one (the lane enum is in claim order), still pending or running, and
-            -- able to gather their room.
-            -- The first 1,000 of the line at most, whatever they are: bounded work under the
-            -- lock every reservation of the scope takes (a longer line only keeps less room
-            -- for its tail; the cap itself never depends on it).
+        IF p_message_id IS NOT NULL THEN
             SELECT coalesce(sum(a.amount), 0), count(*) INTO ahead, ahead_n
             FROM (
-                SELECT w.message_id, w.lane, w.amount, w.seen_at
+                SELECT w.message_id, w.amount
                 FROM spend_waiters w
                 WHERE w.month = m AND w.scope = r.scope
                   AND (w.since, w.message_id) < (my_since, p_message_id)
+                  AND w.message_id <> p_message_id
+                  AND w.lane <= p_lane
+                  AND w.gatherable
+                  AND w.seen_at > at - interval '1 minute'
                 ORDER BY w.since, w.message_id
                 LIMIT 1000
             ) AS a
             JOIN agent_messages h
-              ON h.id = a.message_id AND h.status IN ('pending', 'running')
-            WHERE a.message_id <> p_message_id
-              AND a.lane <= p_lane
-              AND a.seen_at > at - interval '1 hour'
-              AND r.spent
-                  + CASE a.lane WHEN 'interactive' THEN 0
-                                WHEN 'system' THEN held_i
-                                ELSE held_i + held_s END
-                  + a.amount
-                  <= CASE WHEN r.scope = 'appliance' AND a.lane <> 'interactive'
-                          THEN r.monthly_cap * share ELSE r.monthly_cap END;
+              ON h.id = a.message_id AND h.status IN ('pending', 'running');
         END IF;
         IF r.spent + r.reserved + ahead + p_amount > lim THEN
             waiting := waiting || r.scope::text;
@@ -1044,15 +1076,34 @@ BEGIN
         -- Held by calls in flight (or kept for earlier waiters): in line, at its one place,
         -- in every scope that refused it, and out of the others.
         IF p_message_id IS NOT NULL THEN
+            -- Can its room gather? Only what lanes more urgent than its own hold in flight is
+            -- out of its reach (room its own lane and the less urgent ones hold is kept for
+            -- it as they settle), in the appliance's scope and its tenant's together. The open
+            -- holds are the calls in flight: read through their own index, whatever the
+            -- statistics say, never through the month's whole ledger.
+            held_all := 0;
+            held_tenant := 0;
+            IF p_lane <> 'interactive' THEN
+                SELECT coalesce(sum(l.reserved), 0),
+                       coalesce(sum(l.reserved) FILTER (WHERE l.tenant = p_tenant), 0)
+                INTO held_all, held_tenant
+                FROM (SELECT o.lane, o.reserved, o.tenant FROM spend_ledger o
+                      WHERE o.status = 'reserved' AND o.month = m
+                      ORDER BY o.id LIMIT 100000) AS l
+                WHERE l.lane < p_lane;
+            END IF;
+            can_gather := (app_lim IS NULL OR app_spent + held_all + p_amount <= app_lim)
+                      AND (ten_lim IS NULL OR ten_spent + held_tenant + p_amount <= ten_lim);
             INSERT INTO spend_waiters AS w (month, scope, message_id, lane, amount, since,
-                                            seen_at)
-            SELECT m, s, p_message_id, p_lane, p_amount, my_since, at FROM unnest(waiting) AS s
+                                            seen_at, gatherable)
+            SELECT m, s, p_message_id, p_lane, p_amount, my_since, at, can_gather
+            FROM unnest(waiting) AS s
             ON CONFLICT ON CONSTRAINT spend_waiters_pkey DO UPDATE
             SET lane = excluded.lane, amount = excluded.amount, since = excluded.since,
-                seen_at = excluded.seen_at;
+                seen_at = excluded.seen_at, gatherable = excluded.gatherable;
             DELETE FROM spend_waiters w
             WHERE w.message_id = p_message_id AND w.month = m AND w.scope <> ALL (waiting);
-            -- Waiters gone for an hour (their work ended, or their month did) are forgotten.
+            -- Waiters gone for an hour (their work ended, or their month did) lose their place.
             DELETE FROM spend_waiters w WHERE w.seen_at < at - interval '1 hour';
         END IF;
         RETURN QUERY SELECT NULL::bigint,
@@ -1705,6 +1756,7 @@ CREATE TABLE appliance.spend_waiters (
     amount numeric NOT NULL,
     since timestamp with time zone NOT NULL,
     seen_at timestamp with time zone NOT NULL,
+    gatherable boolean DEFAULT true NOT NULL,
     CONSTRAINT spend_waiters_amount_check CHECK ((amount > (0)::numeric))
 );
 
@@ -2086,7 +2138,7 @@ CREATE INDEX spend_ledger_reserved_idx ON appliance.spend_ledger USING btree (id
 -- Name: spend_waiters_line_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX spend_waiters_line_idx ON appliance.spend_waiters USING btree (month, scope, since, message_id) INCLUDE (lane, amount, seen_at);
+CREATE INDEX spend_waiters_line_idx ON appliance.spend_waiters USING btree (month, scope, since, message_id) INCLUDE (lane, amount, seen_at, gatherable);
 
 --
 -- Name: spend_waiters_message_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner

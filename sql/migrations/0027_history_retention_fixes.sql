@@ -9,11 +9,15 @@
 --    rows of the month holds them in the envelope, for this check, until it commits).
 -- 2. One long reader of the archive stopped every kind of pruning: a DROP that gave up after
 --    its second undid the whole call, model calls and ledger lines included. Now only the DROP
---    is undone (the month is tried again next round) and the rest goes on.
+--    is undone (the month is tried again next round) and the rest goes on; a lock not had in
+--    time by the other steps (the archiver creating a month's partition holds the default
+--    one) undoes those steps alone, and the month's sweep stays.
 -- 3. After a DROP the archive stayed locked for the rest of the call: a call now ends with a
 --    DROP, so readers and the archiver wait for nothing more than the DROP itself.
--- Also: model calls and ledger lines of a message still in the envelope (dead, or held) are
--- kept with it, and the cursor of a month dropped by other means is forgotten.
+-- Also: a call deletes at most ten log rows a message on average (a message deferred or
+-- retried many times has thousands), model calls and ledger lines of a message still in the
+-- envelope (dead, or held) are kept with it, and the cursor of a month dropped by other means,
+-- or of a month a message is still on its way to, is forgotten.
 
 CREATE OR REPLACE FUNCTION prune_history(p_cutoff timestamptz, p_batch integer) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
@@ -28,6 +32,10 @@ DECLARE
     month_end timestamptz;
     after_id bigint;
     ids bigint[];
+    rows_gone integer;
+    last_cut bigint;
+    swept_to bigint;
+    swept integer;
 BEGIN
     IF p_cutoff IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
         RAISE EXCEPTION 'prune_history needs a cutoff and a batch of at least 1, got % and %',
@@ -55,93 +63,130 @@ BEGIN
     LIMIT 1;
     -- Swept only once nothing more can arrive: no finished message of the month is still in
     -- the envelope (the archiver lags, or the archive retention is as long as this one).
-    IF part IS NOT NULL AND NOT EXISTS (
+    IF part IS NOT NULL AND EXISTS (
         SELECT FROM agent_messages h
         WHERE h.status IN ('done', 'cancelled', 'expired') AND h.finished_at < month_end
     ) THEN
-        SELECT pc.last_id INTO after_id FROM prune_cursors pc WHERE pc.name = part_name;
-        EXECUTE format('SELECT array_agg(s.id ORDER BY s.id) FROM'
-                       ' (SELECT a.id FROM %s a WHERE a.id > $1 ORDER BY a.id LIMIT $2) AS s',
-                       part)
-            INTO ids USING coalesce(after_id, 0), p_batch;
-        n := coalesce(cardinality(ids), 0);
-        IF n > 0 THEN
-            DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
-            INSERT INTO prune_cursors AS pc (name, last_id) VALUES (part_name, ids[n])
-            ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id;
-            done := n;
-        END IF;
-        IF n < p_batch THEN
-            -- The sweep has reached the month's end: the month goes, rows and all. Only this
-            -- step is undone when a reader holds the archive past the lock timeout.
-            BEGIN
-                EXECUTE format('DROP TABLE %s', part);
-                DELETE FROM prune_cursors pc WHERE pc.name = part_name;
-                -- The DROP holds the archive until commit: end the call here.
-                RETURN done;
-            EXCEPTION WHEN lock_not_available THEN
-                RAISE NOTICE 'prune_history: the archive is in use (%); % is dropped next round',
-                    SQLERRM, part_name;
-            END;
-        END IF;
+        -- A message of the month is still on its way: the sweep starts again once all of it
+        -- has arrived (robust even to finishing times given in the past).
+        DELETE FROM prune_cursors pc WHERE pc.name = part_name;
+    ELSIF part IS NOT NULL THEN
+        BEGIN
+            SELECT pc.last_id INTO after_id FROM prune_cursors pc WHERE pc.name = part_name;
+            EXECUTE format('SELECT array_agg(s.id ORDER BY s.id) FROM'
+                           ' (SELECT a.id FROM %s a WHERE a.id > $1 ORDER BY a.id LIMIT $2)'
+                           ' AS s', part)
+                INTO ids USING coalesce(after_id, 0), p_batch;
+            n := coalesce(cardinality(ids), 0);
+            IF n > 0 THEN
+                -- At most ten log rows a message on average in one call: a message retried
+                -- or deferred many times has a long log. The cursor passes only messages
+                -- whose logs are gone; a call cut short counts as a full batch (more to do).
+                WITH gone AS (
+                    DELETE FROM message_transitions t
+                    WHERE t.ctid = ANY (ARRAY(
+                        SELECT x.ctid FROM message_transitions x WHERE x.message_id = ANY (ids)
+                        ORDER BY x.message_id, x.id LIMIT p_batch * 10))
+                    RETURNING t.message_id
+                )
+                SELECT count(*), max(g.message_id) INTO rows_gone, last_cut FROM gone AS g;
+                IF rows_gone < p_batch * 10 THEN
+                    after_id := ids[n];
+                    done := n;
+                ELSE
+                    SELECT max(x) INTO swept_to
+                    FROM unnest(ids) AS x WHERE x < last_cut;
+                    after_id := coalesce(swept_to, after_id);
+                    done := p_batch;
+                END IF;
+                IF after_id IS NOT NULL THEN
+                    INSERT INTO prune_cursors AS pc (name, last_id) VALUES (part_name, after_id)
+                    ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id;
+                END IF;
+            END IF;
+            IF n < p_batch AND done < p_batch THEN
+                -- The sweep has reached the month's end: the month goes, rows and all. Only
+                -- this step is undone when a reader holds the archive past the lock timeout.
+                BEGIN
+                    EXECUTE format('DROP TABLE %s', part);
+                    DELETE FROM prune_cursors pc WHERE pc.name = part_name;
+                    -- The DROP holds the archive until commit: end the call here.
+                    RETURN done;
+                EXCEPTION WHEN lock_not_available THEN
+                    RAISE NOTICE 'prune_history: the archive is in use (%); % is dropped next'
+                                 ' round', SQLERRM, part_name;
+                END;
+            END IF;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE 'prune_history: % is in use (%); swept next round', part_name, SQLERRM;
+            done := 0;
+        END;
     END IF;
 
-    -- 2. Rows of the default partition (months archived before they had partitions).
-    IF done < p_batch THEN
-        SELECT array_agg(s.id) INTO ids
-        FROM (SELECT d.id FROM agent_messages_archive_default d
-              WHERE d.finished_at < p_cutoff ORDER BY d.id LIMIT p_batch - done) AS s;
-        n := coalesce(cardinality(ids), 0);
-        IF n > 0 THEN
-            DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
-            DELETE FROM agent_messages_archive_default d WHERE d.id = ANY (ids);
+    -- The rest, undone alone when a lock is not had within the timeout (the archiver
+    -- creating a month's partition holds the default one): this call's sweep stays.
+    swept := done;
+    BEGIN
+        -- 2. Rows of the default partition (months archived before they had partitions).
+        IF done < p_batch THEN
+            SELECT array_agg(s.id) INTO ids
+            FROM (SELECT d.id FROM agent_messages_archive_default d
+                  WHERE d.finished_at < p_cutoff ORDER BY d.id LIMIT p_batch - done) AS s;
+            n := coalesce(cardinality(ids), 0);
+            IF n > 0 THEN
+                DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
+                DELETE FROM agent_messages_archive_default d WHERE d.id = ANY (ids);
+                done := done + n;
+            END IF;
+        END IF;
+
+        -- 3. Model calls made before the cutoff, but for work still in the envelope.
+        IF done < p_batch THEN
+            DELETE FROM inference_calls c
+            WHERE c.id = ANY (ARRAY(
+                SELECT i.id FROM inference_calls i
+                WHERE i.at < p_cutoff
+                  AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = i.message_id)
+                ORDER BY i.at LIMIT p_batch - done));
+            GET DIAGNOSTICS n = ROW_COUNT;
             done := done + n;
         END IF;
-    END IF;
 
-    -- 3. Model calls made before the cutoff, but for work still in the envelope.
-    IF done < p_batch THEN
-        DELETE FROM inference_calls c
-        WHERE c.id = ANY (ARRAY(
-            SELECT i.id FROM inference_calls i
-            WHERE i.at < p_cutoff
-              AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = i.message_id)
-            ORDER BY i.at LIMIT p_batch - done));
-        GET DIAGNOSTICS n = ROW_COUNT;
-        done := done + n;
-    END IF;
+        -- 4. Ledger lines of months that ended before the cutoff (an open reservation stays until
+        --    it is settled or released; so do the lines of work still in the envelope), then those
+        --    months' alerts.
+        IF done < p_batch THEN
+            DELETE FROM spend_ledger l
+            WHERE l.id = ANY (ARRAY(
+                SELECT s.id FROM spend_ledger s
+                WHERE s.month < spend_month(p_cutoff) AND s.status <> 'reserved'
+                  AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = s.message_id)
+                ORDER BY s.month LIMIT p_batch - done));
+            GET DIAGNOSTICS n = ROW_COUNT;
+            done := done + n;
+        END IF;
+        IF done < p_batch THEN
+            DELETE FROM spend_alerts a
+            WHERE a.ctid = ANY (ARRAY(SELECT s.ctid FROM spend_alerts s
+                                      WHERE s.month < spend_month(p_cutoff)
+                                      LIMIT p_batch - done));
+            GET DIAGNOSTICS n = ROW_COUNT;
+            done := done + n;
+        END IF;
 
-    -- 4. Ledger lines of months that ended before the cutoff (an open reservation stays until
-    --    it is settled or released; so do the lines of work still in the envelope), then those
-    --    months' alerts.
-    IF done < p_batch THEN
-        DELETE FROM spend_ledger l
-        WHERE l.id = ANY (ARRAY(
-            SELECT s.id FROM spend_ledger s
-            WHERE s.month < spend_month(p_cutoff) AND s.status <> 'reserved'
-              AND NOT EXISTS (SELECT FROM agent_messages h WHERE h.id = s.message_id)
-            ORDER BY s.month LIMIT p_batch - done));
-        GET DIAGNOSTICS n = ROW_COUNT;
-        done := done + n;
-    END IF;
-    IF done < p_batch THEN
-        DELETE FROM spend_alerts a
-        WHERE a.ctid = ANY (ARRAY(SELECT s.ctid FROM spend_alerts s
-                                  WHERE s.month < spend_month(p_cutoff)
-                                  LIMIT p_batch - done));
-        GET DIAGNOSTICS n = ROW_COUNT;
-        done := done + n;
-    END IF;
-
-    -- 5. Runners stopped, or last seen (killed), before the cutoff.
-    IF done < p_batch THEN
-        DELETE FROM runners r
-        WHERE r.id = ANY (ARRAY(SELECT s.id FROM runners s
-                                WHERE coalesce(s.stopped_at, s.seen_at) < p_cutoff
-                                LIMIT p_batch - done));
-        GET DIAGNOSTICS n = ROW_COUNT;
-        done := done + n;
-    END IF;
+        -- 5. Runners stopped, or last seen (killed), before the cutoff.
+        IF done < p_batch THEN
+            DELETE FROM runners r
+            WHERE r.id = ANY (ARRAY(SELECT s.id FROM runners s
+                                    WHERE coalesce(s.stopped_at, s.seen_at) < p_cutoff
+                                    LIMIT p_batch - done));
+            GET DIAGNOSTICS n = ROW_COUNT;
+            done := done + n;
+        END IF;
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE NOTICE 'prune_history: %; the rest is pruned next round', SQLERRM;
+        RETURN swept;
+    END;
     RETURN done;
 END
 $$;

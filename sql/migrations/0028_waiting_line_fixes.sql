@@ -1,24 +1,30 @@
--- The waiting line of 0026, four ways it went wrong, fixed:
+-- The waiting line of 0026, five ways it went wrong, fixed:
 --
 -- 1. A waiter that more urgent work kept from fitting held its lane up: a large batch call
 --    needs spent + reserved + its ask within batch's share, interactive calls rightly ignore
 --    it, and while they kept room reserved it never fitted, so no later batch call ran at all.
---    A waiter now counts as ahead only while its room can gather: spent, plus what the lanes
---    more urgent than its own hold (read from the open reservations), plus its ask, fit its
---    limit. Room held by its own lane and the less urgent ones settles and is kept for it.
+--    A waiter now counts as ahead only while its room can gather in every scope it needs:
+--    spent, plus what the lanes more urgent than its own hold in flight (read from the open
+--    reservations), plus its ask, fit each scope's limit. Judged at its own last refusal, for
+--    the appliance and its tenant together: one that its tenant's cap keeps out holds no room
+--    in the appliance's line either.
 -- 2. Two waiters could block each other (and everyone behind them) with nothing in flight: a
 --    message's place was its first refusal in each scope, so two messages could stand in
 --    opposite orders in the appliance's line and a tenant's. A message now has one place, its
 --    first refusal this month in any scope, used in every scope; its rows in a scope that
 --    admits it are removed.
 -- 3. A waiter whose message was cancelled, finished, or parked held room for a minute: only
---    messages still pending or running (deferred work is pending) count as waiting now.
+--    messages still pending or running (deferred work is pending) count as waiting now, and
+--    only while they asked within the last minute (a deferred call asks again within seconds).
+--    A waiter keeps its place for an hour after its last ask.
 -- 4. Every reservation read the whole line, and every refusal the whole table for stale rows:
---    the line is read in order from an index, its first 1,000 places at most, and stale rows
---    are found by an index on when they were last seen.
+--    the line is read in order from an index, the first 1,000 waiters that count (of a lane
+--    the call yields to, able to gather, asked within the minute), and stale rows are found
+--    by an index on when they were last seen.
 
+ALTER TABLE spend_waiters ADD COLUMN gatherable boolean NOT NULL DEFAULT true;
 CREATE INDEX spend_waiters_line_idx
-    ON spend_waiters (month, scope, since, message_id) INCLUDE (lane, amount, seen_at);
+    ON spend_waiters (month, scope, since, message_id) INCLUDE (lane, amount, seen_at, gatherable);
 CREATE INDEX spend_waiters_seen_at_idx ON spend_waiters (seen_at);
 
 CREATE OR REPLACE FUNCTION spend_reserve(
@@ -37,8 +43,13 @@ DECLARE
     r record;
     lim numeric;
     share numeric;
-    held_i numeric;
-    held_s numeric;
+    held_all numeric;
+    held_tenant numeric;
+    app_spent numeric;
+    app_lim numeric;
+    ten_spent numeric;
+    ten_lim numeric;
+    can_gather boolean;
     ahead numeric;
     ahead_n integer;
     my_since timestamptz;
@@ -117,50 +128,36 @@ BEGIN
                 m, lim, r.spent, r.reserved;
             RETURN;
         END IF;
+        IF r.scope = 'appliance' THEN
+            app_spent := r.spent;
+            app_lim := lim;
+        ELSE
+            ten_spent := r.spent;
+            ten_lim := lim;
+        END IF;
+        -- The waiters ahead of this call: placed before it, of its lane or a more urgent one
+        -- (the lane enum is in claim order), able to gather their room, asked within the
+        -- minute, and still pending or running. The first 1,000 of them at most: bounded work
+        -- under the lock every reservation of the scope takes (a longer line only keeps less
+        -- room for its tail; the cap itself never depends on it).
         ahead := 0;
         ahead_n := 0;
-        IF p_message_id IS NOT NULL AND EXISTS (
-            SELECT FROM spend_waiters w
-            WHERE w.month = m AND w.scope = r.scope
-              AND (w.since, w.message_id) < (my_since, p_message_id)
-        ) THEN
-            -- What the more urgent lanes hold in this scope: room a waiter of a less urgent
-            -- lane cannot count on (the open reservations are the calls in flight, few).
-            -- Read through the open holds' own index (ordered by it, whatever the statistics
-            -- say), never through the month's whole ledger.
-            SELECT coalesce(sum(l.reserved) FILTER (WHERE l.lane = 'interactive'), 0),
-                   coalesce(sum(l.reserved) FILTER (WHERE l.lane = 'system'), 0)
-            INTO held_i, held_s
-            FROM (SELECT o.lane, o.reserved, o.month, o.tenant FROM spend_ledger o
-                  WHERE o.status = 'reserved' ORDER BY o.id LIMIT 100000) AS l
-            WHERE l.month = m AND (r.scope = 'appliance' OR l.tenant = p_tenant);
-            -- The live waiters ahead of this call: placed before it, of its lane or a more
-            -- urgent one (the lane enum is in claim order), still pending or running, and
-            -- able to gather their room.
-            -- The first 1,000 of the line at most, whatever they are: bounded work under the
-            -- lock every reservation of the scope takes (a longer line only keeps less room
-            -- for its tail; the cap itself never depends on it).
+        IF p_message_id IS NOT NULL THEN
             SELECT coalesce(sum(a.amount), 0), count(*) INTO ahead, ahead_n
             FROM (
-                SELECT w.message_id, w.lane, w.amount, w.seen_at
+                SELECT w.message_id, w.amount
                 FROM spend_waiters w
                 WHERE w.month = m AND w.scope = r.scope
                   AND (w.since, w.message_id) < (my_since, p_message_id)
+                  AND w.message_id <> p_message_id
+                  AND w.lane <= p_lane
+                  AND w.gatherable
+                  AND w.seen_at > at - interval '1 minute'
                 ORDER BY w.since, w.message_id
                 LIMIT 1000
             ) AS a
             JOIN agent_messages h
-              ON h.id = a.message_id AND h.status IN ('pending', 'running')
-            WHERE a.message_id <> p_message_id
-              AND a.lane <= p_lane
-              AND a.seen_at > at - interval '1 hour'
-              AND r.spent
-                  + CASE a.lane WHEN 'interactive' THEN 0
-                                WHEN 'system' THEN held_i
-                                ELSE held_i + held_s END
-                  + a.amount
-                  <= CASE WHEN r.scope = 'appliance' AND a.lane <> 'interactive'
-                          THEN r.monthly_cap * share ELSE r.monthly_cap END;
+              ON h.id = a.message_id AND h.status IN ('pending', 'running');
         END IF;
         IF r.spent + r.reserved + ahead + p_amount > lim THEN
             waiting := waiting || r.scope::text;
@@ -176,15 +173,34 @@ BEGIN
         -- Held by calls in flight (or kept for earlier waiters): in line, at its one place,
         -- in every scope that refused it, and out of the others.
         IF p_message_id IS NOT NULL THEN
+            -- Can its room gather? Only what lanes more urgent than its own hold in flight is
+            -- out of its reach (room its own lane and the less urgent ones hold is kept for
+            -- it as they settle), in the appliance's scope and its tenant's together. The open
+            -- holds are the calls in flight: read through their own index, whatever the
+            -- statistics say, never through the month's whole ledger.
+            held_all := 0;
+            held_tenant := 0;
+            IF p_lane <> 'interactive' THEN
+                SELECT coalesce(sum(l.reserved), 0),
+                       coalesce(sum(l.reserved) FILTER (WHERE l.tenant = p_tenant), 0)
+                INTO held_all, held_tenant
+                FROM (SELECT o.lane, o.reserved, o.tenant FROM spend_ledger o
+                      WHERE o.status = 'reserved' AND o.month = m
+                      ORDER BY o.id LIMIT 100000) AS l
+                WHERE l.lane < p_lane;
+            END IF;
+            can_gather := (app_lim IS NULL OR app_spent + held_all + p_amount <= app_lim)
+                      AND (ten_lim IS NULL OR ten_spent + held_tenant + p_amount <= ten_lim);
             INSERT INTO spend_waiters AS w (month, scope, message_id, lane, amount, since,
-                                            seen_at)
-            SELECT m, s, p_message_id, p_lane, p_amount, my_since, at FROM unnest(waiting) AS s
+                                            seen_at, gatherable)
+            SELECT m, s, p_message_id, p_lane, p_amount, my_since, at, can_gather
+            FROM unnest(waiting) AS s
             ON CONFLICT ON CONSTRAINT spend_waiters_pkey DO UPDATE
             SET lane = excluded.lane, amount = excluded.amount, since = excluded.since,
-                seen_at = excluded.seen_at;
+                seen_at = excluded.seen_at, gatherable = excluded.gatherable;
             DELETE FROM spend_waiters w
             WHERE w.message_id = p_message_id AND w.month = m AND w.scope <> ALL (waiting);
-            -- Waiters gone for an hour (their work ended, or their month did) are forgotten.
+            -- Waiters gone for an hour (their work ended, or their month did) lose their place.
             DELETE FROM spend_waiters w WHERE w.seen_at < at - interval '1 hour';
         END IF;
         RETURN QUERY SELECT NULL::bigint,

@@ -277,9 +277,9 @@ async def test_a_key_purge_reads_one_window_also_where_expired_keys_left_their_s
 async def test_a_reservation_behind_waiters_reads_the_open_holds_not_the_ledger(
     quiet_db: Database,
 ) -> None:
-    # With a waiter ahead, spend_reserve sums what the more urgent lanes hold in flight
-    # (migration 0028): from the open holds' index, whatever the statistics say, never the
-    # month's whole ledger.
+    # A refused batch call sums what the more urgent lanes hold in flight, to know whether its
+    # room can gather (migration 0028): from the open holds' index, whatever the statistics
+    # say, never the month's whole ledger.
     rstore = PgRunnerStore(quiet_db)
     await backlog(quiet_db, 3)
     first, waiter, me = await take(rstore, 3)
@@ -292,14 +292,14 @@ async def test_a_reservation_behind_waiters_reads_the_open_holds_not_the_ledger(
         "ANALYZE appliance.spend_ledger",
     )
     reserve = (
-        "SELECT hold_id, refusal FROM spend_reserve('acme', 'interactive', %s::numeric,"
+        "SELECT hold_id, refusal FROM spend_reserve('acme', %s::lane, %s::numeric,"
         " %s::bigint, %s::bigint, 'p', 's', 'k', 'm', 'mechanical', NULL)"
     )
     async with explained_session(quiet_db.endpoints.admin) as (conn, plans):
-        held = await conn.execute(reserve, ("0.5", first.message_id, first.lease_token))
-        assert (await held.fetchone())[0] is not None  # type: ignore[index]
+        args = ("interactive", "0.3", first.message_id, first.lease_token)
+        assert (await (await conn.execute(reserve, args)).fetchone())[0] is not None  # type: ignore[index]
         for lease in (waiter, me, me):  # the waiter joins the line; `me` is behind it, twice
-            cur = await conn.execute(reserve, ("0.6", lease.message_id, lease.lease_token))
-            assert (await cur.fetchone())[0] is None  # type: ignore[index]
+            args = ("batch", "0.6", lease.message_id, lease.lease_token)
+            assert (await (await conn.execute(reserve, args)).fetchone())[0] is None  # type: ignore[index]
     plan = plans_of(plans, "FROM spend_ledger o")[-1]
     assert hot_reads(plan, "spend_ledger") <= 10, hot_reads(plan, "spend_ledger")

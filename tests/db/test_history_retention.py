@@ -318,3 +318,43 @@ async def test_maintenance_prunes_with_a_retention_and_keeps_everything_without(
     await pruning.prune_history()
     assert pruning.history_pruned == 5
     assert await _logged(db, sep) == 0
+
+
+async def test_a_long_log_is_deleted_a_bounded_part_at_a_time(
+    rstore: PgRunnerStore, db: Database
+) -> None:
+    # A message deferred or retried many times has a long log: a call deletes at most ten log
+    # rows a message on average, and the month goes only once every log is gone.
+    sep = await _done(rstore, "sep", 3, SEP)
+    _admin(
+        db,
+        "INSERT INTO appliance.message_transitions (tenant, message_id, to_status, reason,"
+        f" actor, attempt, at) SELECT 'acme', {sep[1]}, 'pending', 'deferred', 'w', 1,"
+        " '2026-09-10Z' FROM generate_series(1, 45)",
+    )
+    calls = []
+    while n := await rstore.prune_history(retention=NOV - CUTOFF, batch=2, now=NOV):
+        calls.append((n, await _logged(db, sep)))
+        assert len(calls) < 20
+    # 54 rows: 20 a call, then the last 14 with the month's DROP.
+    assert [left for _, left in calls] == [34, 14, 0], calls
+    assert await rstore.get("acme", sep[0]) is None
+
+
+async def test_a_lock_not_had_in_time_undoes_only_the_steps_that_needed_it(
+    rstore: PgRunnerStore, db: Database
+) -> None:
+    # The archiver creating a month's partition holds the default partition: the default
+    # partition's step waits a second and gives up, with the steps after it; the month's
+    # sweep before it stays done.
+    sep = await _done(rstore, "sep", 2, SEP)
+    with psycopg.connect(db.endpoints.admin) as archiver:
+        archiver.execute("LOCK appliance.agent_messages_archive_default IN ACCESS EXCLUSIVE MODE")
+        # ... and reads the archive, so the month's DROP gives up too, and the call goes on.
+        archiver.execute("SELECT count(*) FROM appliance.agent_messages_archive")
+        began = time.monotonic()
+        assert await rstore.prune_history(retention=NOV - CUTOFF, batch=3, now=NOV) == 2
+        assert time.monotonic() - began < 5
+    assert await _logged(db, sep) == 0
+    assert await rstore.prune_history(retention=NOV - CUTOFF, batch=3, now=NOV) == 0
+    assert await rstore.get("acme", sep[0]) is None  # dropped once the archiver had gone

@@ -574,7 +574,7 @@ async def test_a_call_deferred_for_room_in_flight_keeps_its_place_in_line(
         ).fetchall()
     assert [r["message_id"] for r in rows] == [small.id]  # the big call's wait is over
 
-    # A waiter that stops asking (its message cancelled, say) holds room for a minute only.
+    # A refusal by spend alone ends the wait of the call it refused.
     await spend.settle(again, amount=Decimal("0.6"), energy_joules=1.0, provenance="estimated",
                        now=t0)  # fmt: skip
     # Spent 0.8 of batch's 0.8: the small call can never fit; its wait ends, named as spend.
@@ -653,10 +653,12 @@ async def test_a_waiter_more_urgent_work_keeps_from_fitting_holds_up_no_one(
     live = await ask("live", "0.3", t0)
     assert isinstance(live, int)
     assert isinstance(await ask("big", "0.6", t0), Refusal)
-    small = await ask("small", "0.1", t0 + timedelta(seconds=1))
+    small = await ask("small", "0.3", t0 + timedelta(seconds=1))
     assert isinstance(small, int)
     await spend.settle(live, amount=Decimal(0), energy_joules=None, provenance=None,
                        released=True, now=t0)  # fmt: skip
+    # Back from its deferral, the big call still does not fit (0.3 + 0.6), but now it can.
+    assert isinstance(await ask("big", "0.6", t0 + timedelta(seconds=2)), Refusal)
     kept_back = await ask("next", "0.2", t0 + timedelta(seconds=2))
     assert isinstance(kept_back, Refusal) and "room kept for 1 earlier call" in kept_back.dimension
     await spend.settle(small, amount=Decimal(0), energy_joules=None, provenance=None,
@@ -697,3 +699,95 @@ async def test_two_waiters_stand_in_one_order_in_every_scope(
                            released=True, now=t0)  # fmt: skip
     # Nothing in flight: the first in line fits at its next ask, in both scopes.
     assert isinstance(await ask("w1", "7", t0 + timedelta(seconds=5)), int)
+
+
+async def test_a_waiter_its_tenants_cap_keeps_out_holds_no_room_for_other_tenants(
+    spend: PgSpendStore, db: Database
+) -> None:
+    # Whether a waiter's room can gather is judged for the appliance and its tenant together:
+    # acme's batch call cannot fit acme's cap of 3 while acme's interactive work holds 1.5,
+    # so globex's batch work need not leave it room in the appliance's line.
+    await spend.set_cap("appliance", Decimal("10"))
+    await spend.set_cap("tenant:acme", Decimal("3"))
+    taken = await _running(
+        db,
+        {
+            "live": ("acme", Lane.INTERACTIVE),
+            "wide": ("globex", Lane.BATCH),
+            "big": ("acme", Lane.BATCH),
+            "other": ("globex", Lane.BATCH),
+        },
+    )
+    t0 = datetime(2031, 11, 10, 12, 0, tzinfo=UTC)
+
+    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
+        m = taken[sid]
+        return await reserve(spend, at, tenant=m.tenant, lease=m.lease, lane=m.lane,
+                             amount=Decimal(amount))  # fmt: skip
+
+    assert isinstance(await ask("live", "1.5", t0), int)
+    assert isinstance(await ask("wide", "5", t0), int)  # the appliance: 6.5 of batch's 8
+    # acme's cap: 1.5 + 2 > 3; the appliance's batch share: 6.5 + 2 > 8. Refused in both.
+    assert isinstance(await ask("big", "2", t0), Refusal)
+    # 6.5 + 1 fits batch's 8: globex's call is not kept back for acme's.
+    assert isinstance(await ask("other", "1", t0 + timedelta(seconds=1)), int)
+
+
+async def test_a_waiter_counts_while_it_asks_and_keeps_its_place_for_an_hour(
+    spend: PgSpendStore, db: Database
+) -> None:
+    await spend.set_cap("appliance", Decimal("1.0"))
+    lane = ("acme", Lane.INTERACTIVE)
+    taken = await _running(db, {"first": lane, "slow": lane, "later": lane, "last": lane})
+    t0 = datetime(2031, 12, 10, 12, 0, tzinfo=UTC)
+
+    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
+        m = taken[sid]
+        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+
+    assert isinstance(await ask("first", "0.5", t0), int)
+    assert isinstance(await ask("slow", "0.6", t0), Refusal)
+    assert isinstance(await ask("later", "0.1", t0 + timedelta(seconds=50)), Refusal)
+    # "slow" (still running, not asking: busy elsewhere) holds room for a minute, no longer.
+    assert isinstance(await ask("later", "0.1", t0 + timedelta(seconds=61)), int)
+    # Back within the hour, it is ahead of "last" again, which asked after it.
+    assert isinstance(await ask("slow", "0.6", t0 + timedelta(minutes=30)), Refusal)
+    kept_back = await ask("last", "0.1", t0 + timedelta(minutes=30))
+    assert isinstance(kept_back, Refusal) and "room kept for 1 earlier call" in kept_back.dimension
+
+
+async def test_waiters_of_less_urgent_lanes_do_not_hide_those_a_call_yields_to(
+    spend: PgSpendStore, db: Database
+) -> None:
+    # The line is read no further than 1,000 waiters that count for the call: 1,000 batch
+    # waiters ahead once filled that window, and an interactive call took the room of the
+    # interactive waiter behind them.
+    from appliance.bus.core import Bus
+    from appliance.db.runner_store import PgRunnerStore
+
+    await spend.set_cap("appliance", Decimal("1.0"))
+    urgent = ("acme", Lane.INTERACTIVE)
+    taken = await _running(db, {"first": urgent, "waiter": urgent, "late": urgent})
+    bus = Bus(PgRunnerStore(db))
+    await bus.enqueue_many(
+        [bus.request(tenant="acme", pipeline="p", stage="s", source="t", source_id=f"b{i}",
+                     directive="d", lane=Lane.BATCH) for i in range(1000)]
+    )  # fmt: skip
+    t0 = datetime(2031, 12, 20, 12, 0, tzinfo=UTC)
+    async with await psycopg.AsyncConnection.connect(db.endpoints.admin) as conn:
+        await conn.execute(
+            "INSERT INTO appliance.spend_waiters (month, scope, message_id, lane, amount,"
+            " since, seen_at) SELECT '2031-12-01', 'appliance', id, 'batch', 0.000001,"
+            " %s, %s FROM appliance.agent_messages WHERE lane = 'batch'",
+            (t0 - timedelta(seconds=10), t0),
+        )
+        await conn.commit()
+
+    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
+        m = taken[sid]
+        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+
+    assert isinstance(await ask("first", "0.5", t0), int)
+    assert isinstance(await ask("waiter", "0.6", t0), Refusal)
+    kept_back = await ask("late", "0.1", t0 + timedelta(seconds=1))
+    assert isinstance(kept_back, Refusal) and "room kept for 1 earlier call" in kept_back.dimension
