@@ -388,7 +388,11 @@ async def _serve(
             await configure_spend(settings, spend)
             governor = Governor(
                 spend,
-                GovernorConfig(await pricing(settings, db), ZoneInfo(settings.spend.time_zone)),
+                GovernorConfig(
+                    await pricing(settings, db),
+                    ZoneInfo(settings.spend.time_zone),
+                    busy_wait=timedelta(seconds=settings.spend.busy_wait_seconds),
+                ),
                 actor=config.worker_id,
             )
         doorbell = PgDoorbell(ends.system) if settings.runner.listen else None

@@ -463,9 +463,10 @@ DECLARE
     last_cut bigint;
     swept_to bigint;
     swept integer;
+    dropped_later boolean := false;
 BEGIN
-    IF p_cutoff IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
-        RAISE EXCEPTION 'prune_history needs a cutoff and a batch of at least 1, got % and %',
+    IF p_cutoff IS NULL OR p_batch IS NULL OR p_batch < 1 OR p_batch > 1000000 THEN
+        RAISE EXCEPTION 'prune_history needs a cutoff and a batch of 1 to 1,000,000, got % and %',
             p_cutoff, p_batch USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- One pruner at a time across runners; the others skip this round.
@@ -542,6 +543,8 @@ BEGIN
                 EXCEPTION WHEN lock_not_available THEN
                     RAISE NOTICE 'prune_history: the archive is in use (%); % is dropped next'
                                  ' round', SQLERRM, part_name;
+                    -- One try a round: readers queue behind each try for up to a second.
+                    dropped_later := true;
                 END;
             END IF;
         EXCEPTION WHEN lock_not_available THEN
@@ -556,13 +559,19 @@ BEGIN
     BEGIN
         -- 2. Rows of the default partition (months archived before they had partitions).
         IF done < p_batch THEN
-            SELECT array_agg(s.id) INTO ids
-            FROM (SELECT d.id FROM agent_messages_archive_default d
-                  WHERE d.finished_at < p_cutoff ORDER BY d.id LIMIT p_batch - done) AS s;
+            -- The rows first, then the logs of the rows deleted: a row the archiver has just
+            -- moved to a new month's partition keeps its log.
+            WITH gone AS (
+                DELETE FROM agent_messages_archive_default d
+                WHERE d.id = ANY (ARRAY(
+                    SELECT x.id FROM agent_messages_archive_default x
+                    WHERE x.finished_at < p_cutoff ORDER BY x.id LIMIT p_batch - done))
+                RETURNING d.id
+            )
+            SELECT array_agg(g.id) INTO ids FROM gone AS g;
             n := coalesce(cardinality(ids), 0);
             IF n > 0 THEN
                 DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
-                DELETE FROM agent_messages_archive_default d WHERE d.id = ANY (ids);
                 done := done + n;
             END IF;
         END IF;
@@ -612,9 +621,10 @@ BEGIN
         END IF;
     EXCEPTION WHEN lock_not_available THEN
         RAISE NOTICE 'prune_history: %; the rest is pruned next round', SQLERRM;
-        RETURN swept;
+        RETURN least(swept, p_batch - 1);
     END;
-    RETURN done;
+    -- A month left for next round ends this round (one try of its DROP a round).
+    RETURN CASE WHEN dropped_later THEN least(done, p_batch - 1) ELSE done END;
 END
 $_$;
 
@@ -954,7 +964,10 @@ DECLARE
     ten_lim numeric;
     can_gather boolean;
     ahead numeric;
-    ahead_n integer;
+    head_id bigint;
+    live constant interval := interval '15 seconds';
+    place_kept constant interval := interval '10 minutes';
+    refusing text[] := '{}';
     my_since timestamptz;
     hold bigint;
     refused record;
@@ -988,10 +1001,12 @@ BEGIN
     WHERE sm.month = m AND sm.scope = ANY(scopes)
     ORDER BY sm.scope
     FOR UPDATE;
-    -- This message's one place in line: its first refusal this month, in any scope.
+    -- This message's one place in line: its first refusal this month, in any scope (kept for
+    -- 10 minutes after its last refusal).
     IF p_message_id IS NOT NULL THEN
         SELECT min(w.since) INTO my_since
-        FROM spend_waiters w WHERE w.message_id = p_message_id AND w.month = m;
+        FROM spend_waiters w
+        WHERE w.message_id = p_message_id AND w.month = m AND w.seen_at > at - place_kept;
     END IF;
     my_since := coalesce(my_since, at);
     FOR r IN
@@ -1038,43 +1053,50 @@ BEGIN
             ten_spent := r.spent;
             ten_lim := lim;
         END IF;
-        -- The waiters ahead of this call: placed before it, of its lane or a more urgent one
-        -- (the lane enum is in claim order), able to gather their room, asked within the
-        -- minute, and still pending or running. The first 1,000 of them at most: bounded work
-        -- under the lock every reservation of the scope takes (a longer line only keeps less
-        -- room for its tail; the cap itself never depends on it).
+        -- The head of the line ahead of this call: the first waiter placed before it, of its
+        -- lane or a more urgent one (the lane enum is in claim order), able to gather its
+        -- room, asked within the last 15 seconds, still pending or running. Each lane's line
+        -- is read no further than its first 100 places.
         ahead := 0;
-        ahead_n := 0;
+        head_id := NULL;
         IF p_message_id IS NOT NULL THEN
-            SELECT coalesce(sum(a.amount), 0), count(*) INTO ahead, ahead_n
-            FROM (
-                SELECT w.message_id, w.amount
+            SELECT a.amount, a.message_id INTO ahead, head_id
+            FROM unnest(ARRAY['interactive', 'system', 'batch']::lane[]) AS ln(lane)
+            CROSS JOIN LATERAL (
+                SELECT w.message_id, w.amount, w.since, w.seen_at, w.gatherable
                 FROM spend_waiters w
-                WHERE w.month = m AND w.scope = r.scope
+                WHERE w.month = m AND w.scope = r.scope AND w.lane = ln.lane
                   AND (w.since, w.message_id) < (my_since, p_message_id)
-                  AND w.message_id <> p_message_id
-                  AND w.lane <= p_lane
-                  AND w.gatherable
-                  AND w.seen_at > at - interval '1 minute'
                 ORDER BY w.since, w.message_id
-                LIMIT 1000
+                LIMIT 100
             ) AS a
             JOIN agent_messages h
-              ON h.id = a.message_id AND h.status IN ('pending', 'running');
+              ON h.id = a.message_id AND h.status IN ('pending', 'running')
+            WHERE ln.lane <= p_lane
+              AND a.message_id <> p_message_id
+              AND a.gatherable
+              AND a.seen_at > at - live
+            ORDER BY a.since, a.message_id
+            LIMIT 1;
+            ahead := coalesce(ahead, 0);
+        END IF;
+        -- Refused by room held in flight: this call joins the line in this scope.
+        IF r.spent + r.reserved + p_amount > lim THEN
+            waiting := waiting || r.scope::text;
         END IF;
         IF r.spent + r.reserved + ahead + p_amount > lim THEN
-            waiting := waiting || r.scope::text;
+            refusing := refusing || r.scope::text;
             IF NOT is_refused THEN
                 is_refused := true;
                 SELECT r.scope AS scope, lim AS lim, r.spent AS spent, r.reserved AS reserved,
-                       ahead AS ahead, ahead_n AS ahead_n, r.monthly_cap AS cap
+                       ahead AS ahead, head_id AS head_id, r.monthly_cap AS cap
                 INTO refused;
             END IF;
         END IF;
     END LOOP;
     IF is_refused THEN
-        -- Held by calls in flight (or kept for earlier waiters): in line, at its one place,
-        -- in every scope that refused it, and out of the others.
+        -- In line, at its one place, in every scope whose room is held in flight; its place
+        -- kept (seen now) in the other scopes that refused it; out of those that admit it.
         IF p_message_id IS NOT NULL THEN
             -- Can its room gather? Only what lanes more urgent than its own hold in flight is
             -- out of its reach (room its own lane and the less urgent ones hold is kept for
@@ -1101,10 +1123,19 @@ BEGIN
             ON CONFLICT ON CONSTRAINT spend_waiters_pkey DO UPDATE
             SET lane = excluded.lane, amount = excluded.amount, since = excluded.since,
                 seen_at = excluded.seen_at, gatherable = excluded.gatherable;
+            UPDATE spend_waiters w
+            SET lane = p_lane, amount = p_amount, since = my_since, seen_at = at,
+                gatherable = can_gather
+            WHERE w.message_id = p_message_id AND w.month = m AND w.scope = ANY (refusing)
+              AND w.scope <> ALL (waiting);
             DELETE FROM spend_waiters w
-            WHERE w.message_id = p_message_id AND w.month = m AND w.scope <> ALL (waiting);
-            -- Waiters gone for an hour (their work ended, or their month did) lose their place.
-            DELETE FROM spend_waiters w WHERE w.seen_at < at - interval '1 hour';
+            WHERE w.message_id = p_message_id AND w.month = m AND w.scope <> ALL (refusing);
+            -- Waiters gone for 10 minutes (their work ended, or their month did) lose their
+            -- place, 100 at a time.
+            DELETE FROM spend_waiters w
+            WHERE w.ctid = ANY (ARRAY(SELECT x.ctid FROM spend_waiters x
+                                      WHERE x.seen_at < at - place_kept
+                                      ORDER BY x.seen_at LIMIT 100));
         END IF;
         RETURN QUERY SELECT NULL::bigint,
             CASE WHEN refused.scope = 'appliance' AND p_lane <> 'interactive'
@@ -1115,10 +1146,9 @@ BEGIN
                  THEN format('money: appliance monthly cap %s %s', refused.cap, cfg.currency)
                  ELSE format('money: %s monthly cap %s %s', refused.scope, refused.cap,
                              cfg.currency) END
-            || CASE WHEN refused.ahead_n > 0
-                    THEN format(' (room kept for %s earlier call%s asking %s)',
-                                refused.ahead_n, CASE WHEN refused.ahead_n = 1 THEN '' ELSE 's'
-                                                 END, refused.ahead)
+            || CASE WHEN refused.head_id IS NOT NULL
+                    THEN format(' (room kept for an earlier call asking %s, message %s)',
+                                refused.ahead, refused.head_id)
                     ELSE '' END,
             m, refused.lim, refused.spent, refused.reserved;
         RETURN;
@@ -2138,7 +2168,7 @@ CREATE INDEX spend_ledger_reserved_idx ON appliance.spend_ledger USING btree (id
 -- Name: spend_waiters_line_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE INDEX spend_waiters_line_idx ON appliance.spend_waiters USING btree (month, scope, since, message_id) INCLUDE (lane, amount, seen_at, gatherable);
+CREATE INDEX spend_waiters_line_idx ON appliance.spend_waiters USING btree (month, scope, lane, since, message_id) INCLUDE (amount, seen_at, gatherable);
 
 --
 -- Name: spend_waiters_message_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner

@@ -4,15 +4,19 @@ Before a call: the run's budget (tokens, calls, money) and the monthly cap each 
 reservation of the call's worst case; a call that cannot be priced is refused. After the call:
 both settle to what it really used (the cap to the cost of its measured or estimated energy).
 A refusal never causes a retry: the runner parks the message (held_budget) or ends it
-(budget_exhausted: X).
+(budget_exhausted: X). The one exception is a cap whose room is only held by calls in flight:
+the call asks again in place for a few seconds (they settle within seconds, and the bus keeps
+the room that frees for the first call in line), then the runner defers the message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from zoneinfo import ZoneInfo
 
@@ -56,6 +60,10 @@ class Admission:
 class GovernorConfig:
     pricing: Pricing
     time_zone: ZoneInfo = field(default_factory=lambda: ZoneInfo("UTC"))
+    # How long a call refused only for room held in flight asks again in place (every
+    # busy_retry to twice that, jittered) before the runner defers its message.
+    busy_wait: timedelta = timedelta(seconds=5)
+    busy_retry: timedelta = timedelta(milliseconds=200)
 
 
 class Governor:
@@ -103,18 +111,7 @@ class Governor:
                 detail=f"a {request.kind} call asked {run_ask}",
             )
         try:
-            hold = await self.spend.reserve(
-                tenant=message.tenant,
-                lane=message.lane,
-                amount=estimate.amount,
-                lease=message.lease,
-                pipeline=message.pipeline,
-                stage=message.stage,
-                kind=request.kind,
-                model=model.model,
-                tier=route.tier.value,
-                now=None,
-            )
+            hold = await self._reserve(message, estimate.amount, request.kind, route, model)
         except BaseException:
             await self._give_back_run(message, run_ask)
             raise
@@ -125,6 +122,32 @@ class Governor:
             # Room is only held by calls in flight; they settle at or below their holds.
             raise BudgetBusy(hold.reason().replace("held_budget:", "deferred:", 1))
         return Admission(hold, estimate, run_ask)
+
+    async def _reserve(
+        self, message: Message, amount: Decimal, kind: str, route: Route, model: ModelInfo
+    ) -> int | Refusal:
+        """A hold against the cap; refused only for room held in flight, asked again in place
+        until busy_wait has passed (the message keeps its lease and its place in line)."""
+        ends = asyncio.get_running_loop().time() + self.config.busy_wait.total_seconds()
+        while True:
+            hold = await self.spend.reserve(
+                tenant=message.tenant,
+                lane=message.lane,
+                amount=amount,
+                lease=message.lease,
+                pipeline=message.pipeline,
+                stage=message.stage,
+                kind=kind,
+                model=model.model,
+                tier=route.tier.value,
+                now=None,
+            )
+            if not isinstance(hold, Refusal) or hold.exhausted:
+                return hold
+            pause = self.config.busy_retry.total_seconds() * random.uniform(1.0, 2.0)
+            if asyncio.get_running_loop().time() + pause > ends:
+                return hold
+            await asyncio.sleep(pause)
 
     async def settle(
         self,

@@ -11,7 +11,8 @@
 --    its second undid the whole call, model calls and ledger lines included. Now only the DROP
 --    is undone (the month is tried again next round) and the rest goes on; a lock not had in
 --    time by the other steps (the archiver creating a month's partition holds the default
---    one) undoes those steps alone, and the month's sweep stays.
+--    one) undoes those steps alone, and the month's sweep stays. A DROP that gives up ends
+--    the round: readers wait behind it at most once a round.
 -- 3. After a DROP the archive stayed locked for the rest of the call: a call now ends with a
 --    DROP, so readers and the archiver wait for nothing more than the DROP itself.
 -- Also: a call deletes at most ten log rows a message on average (a message deferred or
@@ -36,9 +37,10 @@ DECLARE
     last_cut bigint;
     swept_to bigint;
     swept integer;
+    dropped_later boolean := false;
 BEGIN
-    IF p_cutoff IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
-        RAISE EXCEPTION 'prune_history needs a cutoff and a batch of at least 1, got % and %',
+    IF p_cutoff IS NULL OR p_batch IS NULL OR p_batch < 1 OR p_batch > 1000000 THEN
+        RAISE EXCEPTION 'prune_history needs a cutoff and a batch of 1 to 1,000,000, got % and %',
             p_cutoff, p_batch USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- One pruner at a time across runners; the others skip this round.
@@ -115,6 +117,8 @@ BEGIN
                 EXCEPTION WHEN lock_not_available THEN
                     RAISE NOTICE 'prune_history: the archive is in use (%); % is dropped next'
                                  ' round', SQLERRM, part_name;
+                    -- One try a round: readers queue behind each try for up to a second.
+                    dropped_later := true;
                 END;
             END IF;
         EXCEPTION WHEN lock_not_available THEN
@@ -129,13 +133,19 @@ BEGIN
     BEGIN
         -- 2. Rows of the default partition (months archived before they had partitions).
         IF done < p_batch THEN
-            SELECT array_agg(s.id) INTO ids
-            FROM (SELECT d.id FROM agent_messages_archive_default d
-                  WHERE d.finished_at < p_cutoff ORDER BY d.id LIMIT p_batch - done) AS s;
+            -- The rows first, then the logs of the rows deleted: a row the archiver has just
+            -- moved to a new month's partition keeps its log.
+            WITH gone AS (
+                DELETE FROM agent_messages_archive_default d
+                WHERE d.id = ANY (ARRAY(
+                    SELECT x.id FROM agent_messages_archive_default x
+                    WHERE x.finished_at < p_cutoff ORDER BY x.id LIMIT p_batch - done))
+                RETURNING d.id
+            )
+            SELECT array_agg(g.id) INTO ids FROM gone AS g;
             n := coalesce(cardinality(ids), 0);
             IF n > 0 THEN
                 DELETE FROM message_transitions t WHERE t.message_id = ANY (ids);
-                DELETE FROM agent_messages_archive_default d WHERE d.id = ANY (ids);
                 done := done + n;
             END IF;
         END IF;
@@ -185,8 +195,9 @@ BEGIN
         END IF;
     EXCEPTION WHEN lock_not_available THEN
         RAISE NOTICE 'prune_history: %; the rest is pruned next round', SQLERRM;
-        RETURN swept;
+        RETURN least(swept, p_batch - 1);
     END;
-    RETURN done;
+    -- A month left for next round ends this round (one try of its DROP a round).
+    RETURN CASE WHEN dropped_later THEN least(done, p_batch - 1) ELSE done END;
 END
 $$;

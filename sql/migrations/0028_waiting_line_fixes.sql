@@ -1,30 +1,28 @@
--- The waiting line of 0026, five ways it went wrong, fixed:
+-- The waiting line of 0026, reworked after review: it could stall its lane, or two waiters
+-- could block each other, with the cap's room free.
 --
--- 1. A waiter that more urgent work kept from fitting held its lane up: a large batch call
---    needs spent + reserved + its ask within batch's share, interactive calls rightly ignore
---    it, and while they kept room reserved it never fitted, so no later batch call ran at all.
---    A waiter now counts as ahead only while its room can gather in every scope it needs:
---    spent, plus what the lanes more urgent than its own hold in flight (read from the open
---    reservations), plus its ask, fit each scope's limit. Judged at its own last refusal, for
---    the appliance and its tenant together: one that its tenant's cap keeps out holds no room
---    in the appliance's line either.
--- 2. Two waiters could block each other (and everyone behind them) with nothing in flight: a
---    message's place was its first refusal in each scope, so two messages could stand in
---    opposite orders in the appliance's line and a tenant's. A message now has one place, its
---    first refusal this month in any scope, used in every scope; its rows in a scope that
---    admits it are removed.
--- 3. A waiter whose message was cancelled, finished, or parked held room for a minute: only
---    messages still pending or running (deferred work is pending) count as waiting now, and
---    only while they asked within the last minute (a deferred call asks again within seconds).
---    A waiter keeps its place for an hour after its last ask.
--- 4. Every reservation read the whole line, and every refusal the whole table for stale rows:
---    the line is read in order from an index, the first 1,000 waiters that count (of a lane
---    the call yields to, able to gather, asked within the minute), and stale rows are found
---    by an index on when they were last seen.
+-- 1. Only the head of the line is waited for. A later call of the same or a less urgent lane
+--    (interactive, then system, then batch) leaves room for the first live waiter ahead of it,
+--    not for the whole line: the line asked for more than the cap, and held up every call of
+--    its lane until all of it had come back. When the head is served, the next is head.
+-- 2. Only calls refused by room held in flight (spent + reserved + the ask does not fit) join
+--    the line; a call refused because it would take the head's room does not.
+-- 3. A waiter counts only while its room can gather in every scope it needs: spent, plus what
+--    the lanes more urgent than its own hold in flight, plus its ask, fit each limit (judged at
+--    its own last refusal, for the appliance and its tenant together). One that interactive
+--    work keeps out holds up no batch call.
+-- 4. A message has one place, its first refusal this month in any scope, used in every scope:
+--    by scope, two messages could stand in opposite orders in two lines and block each other.
+-- 5. A waiter counts only while its message is pending or running and it asked within the
+--    last 15 seconds: the runner retries a refused call in place for a few seconds before it
+--    defers the message, so the head is there when room frees. Deferred and away (behind a
+--    backlog), it stops holding room; it keeps its place for 10 minutes.
+-- 6. Bounded work under the lock every reservation of a scope takes: each lane's line is read
+--    from an index, its first 100 places at most; stale rows go 100 at a time.
 
 ALTER TABLE spend_waiters ADD COLUMN gatherable boolean NOT NULL DEFAULT true;
 CREATE INDEX spend_waiters_line_idx
-    ON spend_waiters (month, scope, since, message_id) INCLUDE (lane, amount, seen_at, gatherable);
+    ON spend_waiters (month, scope, lane, since, message_id) INCLUDE (amount, seen_at, gatherable);
 CREATE INDEX spend_waiters_seen_at_idx ON spend_waiters (seen_at);
 
 CREATE OR REPLACE FUNCTION spend_reserve(
@@ -51,7 +49,10 @@ DECLARE
     ten_lim numeric;
     can_gather boolean;
     ahead numeric;
-    ahead_n integer;
+    head_id bigint;
+    live constant interval := interval '15 seconds';
+    place_kept constant interval := interval '10 minutes';
+    refusing text[] := '{}';
     my_since timestamptz;
     hold bigint;
     refused record;
@@ -85,10 +86,12 @@ BEGIN
     WHERE sm.month = m AND sm.scope = ANY(scopes)
     ORDER BY sm.scope
     FOR UPDATE;
-    -- This message's one place in line: its first refusal this month, in any scope.
+    -- This message's one place in line: its first refusal this month, in any scope (kept for
+    -- 10 minutes after its last refusal).
     IF p_message_id IS NOT NULL THEN
         SELECT min(w.since) INTO my_since
-        FROM spend_waiters w WHERE w.message_id = p_message_id AND w.month = m;
+        FROM spend_waiters w
+        WHERE w.message_id = p_message_id AND w.month = m AND w.seen_at > at - place_kept;
     END IF;
     my_since := coalesce(my_since, at);
     FOR r IN
@@ -135,43 +138,50 @@ BEGIN
             ten_spent := r.spent;
             ten_lim := lim;
         END IF;
-        -- The waiters ahead of this call: placed before it, of its lane or a more urgent one
-        -- (the lane enum is in claim order), able to gather their room, asked within the
-        -- minute, and still pending or running. The first 1,000 of them at most: bounded work
-        -- under the lock every reservation of the scope takes (a longer line only keeps less
-        -- room for its tail; the cap itself never depends on it).
+        -- The head of the line ahead of this call: the first waiter placed before it, of its
+        -- lane or a more urgent one (the lane enum is in claim order), able to gather its
+        -- room, asked within the last 15 seconds, still pending or running. Each lane's line
+        -- is read no further than its first 100 places.
         ahead := 0;
-        ahead_n := 0;
+        head_id := NULL;
         IF p_message_id IS NOT NULL THEN
-            SELECT coalesce(sum(a.amount), 0), count(*) INTO ahead, ahead_n
-            FROM (
-                SELECT w.message_id, w.amount
+            SELECT a.amount, a.message_id INTO ahead, head_id
+            FROM unnest(ARRAY['interactive', 'system', 'batch']::lane[]) AS ln(lane)
+            CROSS JOIN LATERAL (
+                SELECT w.message_id, w.amount, w.since, w.seen_at, w.gatherable
                 FROM spend_waiters w
-                WHERE w.month = m AND w.scope = r.scope
+                WHERE w.month = m AND w.scope = r.scope AND w.lane = ln.lane
                   AND (w.since, w.message_id) < (my_since, p_message_id)
-                  AND w.message_id <> p_message_id
-                  AND w.lane <= p_lane
-                  AND w.gatherable
-                  AND w.seen_at > at - interval '1 minute'
                 ORDER BY w.since, w.message_id
-                LIMIT 1000
+                LIMIT 100
             ) AS a
             JOIN agent_messages h
-              ON h.id = a.message_id AND h.status IN ('pending', 'running');
+              ON h.id = a.message_id AND h.status IN ('pending', 'running')
+            WHERE ln.lane <= p_lane
+              AND a.message_id <> p_message_id
+              AND a.gatherable
+              AND a.seen_at > at - live
+            ORDER BY a.since, a.message_id
+            LIMIT 1;
+            ahead := coalesce(ahead, 0);
+        END IF;
+        -- Refused by room held in flight: this call joins the line in this scope.
+        IF r.spent + r.reserved + p_amount > lim THEN
+            waiting := waiting || r.scope::text;
         END IF;
         IF r.spent + r.reserved + ahead + p_amount > lim THEN
-            waiting := waiting || r.scope::text;
+            refusing := refusing || r.scope::text;
             IF NOT is_refused THEN
                 is_refused := true;
                 SELECT r.scope AS scope, lim AS lim, r.spent AS spent, r.reserved AS reserved,
-                       ahead AS ahead, ahead_n AS ahead_n, r.monthly_cap AS cap
+                       ahead AS ahead, head_id AS head_id, r.monthly_cap AS cap
                 INTO refused;
             END IF;
         END IF;
     END LOOP;
     IF is_refused THEN
-        -- Held by calls in flight (or kept for earlier waiters): in line, at its one place,
-        -- in every scope that refused it, and out of the others.
+        -- In line, at its one place, in every scope whose room is held in flight; its place
+        -- kept (seen now) in the other scopes that refused it; out of those that admit it.
         IF p_message_id IS NOT NULL THEN
             -- Can its room gather? Only what lanes more urgent than its own hold in flight is
             -- out of its reach (room its own lane and the less urgent ones hold is kept for
@@ -198,10 +208,19 @@ BEGIN
             ON CONFLICT ON CONSTRAINT spend_waiters_pkey DO UPDATE
             SET lane = excluded.lane, amount = excluded.amount, since = excluded.since,
                 seen_at = excluded.seen_at, gatherable = excluded.gatherable;
+            UPDATE spend_waiters w
+            SET lane = p_lane, amount = p_amount, since = my_since, seen_at = at,
+                gatherable = can_gather
+            WHERE w.message_id = p_message_id AND w.month = m AND w.scope = ANY (refusing)
+              AND w.scope <> ALL (waiting);
             DELETE FROM spend_waiters w
-            WHERE w.message_id = p_message_id AND w.month = m AND w.scope <> ALL (waiting);
-            -- Waiters gone for an hour (their work ended, or their month did) lose their place.
-            DELETE FROM spend_waiters w WHERE w.seen_at < at - interval '1 hour';
+            WHERE w.message_id = p_message_id AND w.month = m AND w.scope <> ALL (refusing);
+            -- Waiters gone for 10 minutes (their work ended, or their month did) lose their
+            -- place, 100 at a time.
+            DELETE FROM spend_waiters w
+            WHERE w.ctid = ANY (ARRAY(SELECT x.ctid FROM spend_waiters x
+                                      WHERE x.seen_at < at - place_kept
+                                      ORDER BY x.seen_at LIMIT 100));
         END IF;
         RETURN QUERY SELECT NULL::bigint,
             CASE WHEN refused.scope = 'appliance' AND p_lane <> 'interactive'
@@ -212,10 +231,9 @@ BEGIN
                  THEN format('money: appliance monthly cap %s %s', refused.cap, cfg.currency)
                  ELSE format('money: %s monthly cap %s %s', refused.scope, refused.cap,
                              cfg.currency) END
-            || CASE WHEN refused.ahead_n > 0
-                    THEN format(' (room kept for %s earlier call%s asking %s)',
-                                refused.ahead_n, CASE WHEN refused.ahead_n = 1 THEN '' ELSE 's'
-                                                 END, refused.ahead)
+            || CASE WHEN refused.head_id IS NOT NULL
+                    THEN format(' (room kept for an earlier call asking %s, message %s)',
+                                refused.ahead, refused.head_id)
                     ELSE '' END,
             m, refused.lim, refused.spent, refused.reserved;
         RETURN;

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
@@ -39,7 +42,9 @@ async def governor(db: Database) -> Governor:
     await PgTenantStore(db).add("acme")
     spend = PgSpendStore(db)
     await spend.set_cap("appliance", Decimal("1"))
-    return Governor(spend, GovernorConfig(PRICING), actor="test")
+    # No in-place wait: a refusal for room in flight is answered at once (see the test of
+    # the wait below).
+    return Governor(spend, GovernorConfig(PRICING, busy_wait=timedelta(0)), actor="test")
 
 
 async def admit(governor: Governor, message: Message) -> Admission:
@@ -93,3 +98,36 @@ async def test_refusals_hold_or_defer(governor: Governor, db: Database) -> None:
     await governor.spend.set_cap("appliance", Decimal("0.00001"))  # type: ignore[attr-defined]
     with pytest.raises(BudgetHeld, match="held_budget: money: appliance monthly cap"):
         await admit(governor, second)  # spend alone could not fit it: held
+
+
+async def test_a_call_refused_for_room_in_flight_asks_again_in_place(
+    governor: Governor, db: Database
+) -> None:
+    # The first call's hold fills the cap; it settles while the second asks again in place:
+    # the second is admitted, neither deferred nor held. Without the settlement it gives up
+    # after busy_wait, still only deferred.
+    waiting = Governor(
+        governor.spend,
+        GovernorConfig(PRICING, busy_wait=timedelta(seconds=3), busy_retry=timedelta(seconds=0.05)),
+        actor="test",
+    )
+    first = await claimed(db, "a")
+    await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
+    held = await admit(governor, first)
+    second = await claimed(db, "b")
+
+    async def settle_soon() -> None:
+        await asyncio.sleep(0.3)
+        await governor.settle(
+            first, held, energy_joules=None, provenance=None, completion_tokens=0,
+            prompt_tokens=0, failed=True,
+        )  # fmt: skip
+
+    began = time.monotonic()
+    _, admitted = await asyncio.gather(settle_soon(), admit(waiting, second))
+    assert admitted.hold is not None and time.monotonic() - began < 3
+    third = await claimed(db, "c")
+    began = time.monotonic()
+    with pytest.raises(BudgetBusy, match="deferred: money"):
+        await admit(waiting, third)
+    assert 2.5 < time.monotonic() - began < 6

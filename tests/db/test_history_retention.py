@@ -299,7 +299,7 @@ async def test_one_pruner_at_a_time_and_bad_arguments_are_refused(
         other.execute("SELECT pg_advisory_xact_lock(hashtext('appliance.prune_history'))")
         assert await rstore.prune_history(retention=NOV - CUTOFF, now=NOV) == 0
     assert await rstore.prune_history(retention=NOV - CUTOFF, now=NOV) == 1
-    with pytest.raises(psycopg.errors.InvalidParameterValue, match="batch of at least 1"):
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="batch of 1 to 1,000,000"):
         await rstore.prune_history(retention=NOV - CUTOFF, batch=0, now=NOV)
 
 
@@ -358,3 +358,28 @@ async def test_a_lock_not_had_in_time_undoes_only_the_steps_that_needed_it(
     assert await _logged(db, sep) == 0
     assert await rstore.prune_history(retention=NOV - CUTOFF, batch=3, now=NOV) == 0
     assert await rstore.get("acme", sep[0]) is None  # dropped once the archiver had gone
+
+
+async def test_a_drop_that_gives_up_ends_the_round(rstore: PgRunnerStore, db: Database) -> None:
+    # Readers of the archive queue behind a waiting DROP: it is tried once a round, not once a
+    # batch (a round of five batches kept readers waiting five seconds).
+    await _done(rstore, "sep", 1, SEP)
+    _admin(
+        db,
+        "INSERT INTO appliance.inference_calls (tenant, message_id, pipeline, stage, kind, tier,"
+        " min_tier, route_reason, model, model_sha256, status, at) SELECT 'acme', 0, 'flow',"
+        " 's', 'classify', 'mechanical', 'mechanical', 'r', 'm', 'h', 'ok', '2026-09-10Z'"
+        " FROM generate_series(1, 5)",
+    )
+    maintenance = Maintenance(
+        Bus(rstore, BusConfig()), rstore, archive_batch=2, history_retention=timedelta(days=30)
+    )
+    with psycopg.connect(db.endpoints.admin) as reader:
+        reader.execute("SELECT count(*) FROM appliance.agent_messages_archive")
+        await maintenance.prune_history()  # the real clock: September 2026 is long past
+    # One call: the month's log, one model call, the DROP given up; the rest next round.
+    assert await _count(db, "SELECT count(*) FROM inference_calls") == 4
+    await maintenance.prune_history()  # the DROP ends its call (and that round)
+    assert await _count(db, "SELECT count(*) FROM agent_messages_archive") == 0
+    await maintenance.prune_history()
+    assert await _count(db, "SELECT count(*) FROM inference_calls") == 0

@@ -88,7 +88,10 @@ class Rig(DbChecks):
 
 
 @pytest.fixture
-async def rig(fresh_db: Endpoints) -> AsyncIterator[Rig]:
+async def rig(fresh_db: Endpoints, request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    # How long a call refused for room in flight asks again in place: none unless a test
+    # asks (its message is deferred at once), as it was before that wait existed.
+    busy_wait = getattr(request, "param", timedelta(0))
     db = Database(fresh_db, max_size=8)
     await db.open()
     await PgTenantStore(db).add("acme")
@@ -109,7 +112,7 @@ async def rig(fresh_db: Endpoints) -> AsyncIterator[Rig]:
         default_joules_per_token=Decimal("1000"),
         safety_factor=Decimal("1.0"),
     )
-    governor = Governor(spend, GovernorConfig(pricing), actor="gov")
+    governor = Governor(spend, GovernorConfig(pricing, busy_wait=busy_wait), actor="gov")
     config = RunnerConfig(
         worker_id="gov", concurrency=4, lease=timedelta(seconds=10),
         poll_interval=timedelta(seconds=5), report_every=timedelta(seconds=0.5),
@@ -237,6 +240,31 @@ async def test_work_waits_briefly_while_the_cap_is_only_held_by_calls_in_flight(
     )
     assert reasons, "no call was deferred: the cap never filled"
     assert await rig.rows("SELECT id FROM agent_messages WHERE status = 'held_budget'") == []
+
+
+@pytest.mark.parametrize("rig", [timedelta(seconds=5)], indirect=True)
+async def test_a_call_waits_in_place_while_the_cap_is_held_by_calls_in_flight(
+    rig: Rig,
+) -> None:
+    # The same cap, with the runner's in-place wait: the second and third calls ask again
+    # until the call before them settles, and run without being deferred or held.
+    await rig.spend.set_cap("appliance", Decimal("0.02"))
+    ids = [await submit(rig, "label", f"w{i}") for i in range(3)]
+
+    async def done() -> bool:
+        return await rig.status_of("label") == ["done"] * 3
+
+    await rig.wait(done, what="all three done")
+    moves = await rig.rows(
+        "SELECT reason FROM message_transitions WHERE message_id = ANY(%(ids)s) "
+        "AND to_status IN ('pending', 'held_budget') AND from_status IS NOT NULL",
+        {"ids": ids},
+    )
+    assert moves == [], moves
+    calls = await rig.rows(
+        "SELECT count(*) AS n FROM spend_ledger WHERE message_id = ANY(%(ids)s)", {"ids": ids}
+    )
+    assert calls[0]["n"] == 3
 
 
 async def test_fan_out_cannot_escape_its_run_budget(rig: Rig) -> None:
