@@ -5,6 +5,7 @@ dead leases, and every run-budget dimension with its verification reserve."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -29,6 +30,19 @@ async def reserve(spend: PgSpendStore, now: datetime, **kw: object) -> int | Ref
     }  # fmt: skip
     fields.update(kw)
     return await spend.reserve(now=now, **fields)  # type: ignore[arg-type]
+
+
+def asker(
+    spend: PgSpendStore, taken: dict[str, Any]
+) -> Callable[[str, str, datetime], Awaitable[int | Refusal]]:
+    """ask(source id, amount, at): that running message's call reserves `amount` at `at`."""
+
+    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
+        m = taken[sid]
+        return await reserve(spend, at, tenant=m.tenant, lease=m.lease, lane=m.lane,
+                             amount=Decimal(amount))  # fmt: skip
+
+    return ask
 
 
 @pytest.fixture
@@ -543,30 +557,28 @@ async def test_a_call_deferred_for_room_in_flight_keeps_its_place_in_line(
         await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id=sid,
                           directive="d", lane=lane)  # fmt: skip
     taken = {m.source_id: m for m in await bus.claim("w", limit=4)}
-    first, big, small, urgent = (taken[s] for s in ("first", "big", "small", "urgent"))
     t0 = datetime(2031, 7, 10, 12, 0, tzinfo=UTC)
 
-    async def ask(m: Any, amount: str, at: datetime) -> int | Refusal:
-        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+    ask = asker(spend, taken)
 
-    held = await ask(first, "0.3", t0)
+    held = await ask("first", "0.3", t0)
     assert isinstance(held, int)
     # Batch work may use 0.8: 0.3 in flight leaves 0.5, the big call needs 0.6.
-    refused = await ask(big, "0.6", t0)
+    refused = await ask("big", "0.6", t0)
     assert isinstance(refused, Refusal) and not refused.exhausted
     # 0.3 + 0.2 fits beside the call in flight, but the room is the big call's first.
-    behind = await ask(small, "0.2", t0 + timedelta(seconds=1))
+    behind = await ask("small", "0.2", t0 + timedelta(seconds=1))
     assert isinstance(behind, Refusal) and not behind.exhausted
     assert "room kept for an earlier call asking 0.6" in behind.dimension
     # Interactive work never waits for batch work.
-    fast = await ask(urgent, "0.2", t0 + timedelta(seconds=1))
+    fast = await ask("urgent", "0.2", t0 + timedelta(seconds=1))
     assert isinstance(fast, int)
     await spend.settle(fast, amount=Decimal("0.1"), energy_joules=1.0, provenance="estimated",
                        now=t0)  # fmt: skip
     # The call in flight settles: the big call, back from its deferral, now fits.
     await spend.settle(held, amount=Decimal("0.1"), energy_joules=1.0, provenance="estimated",
                        now=t0)  # fmt: skip
-    again = await ask(big, "0.6", t0 + timedelta(seconds=2))
+    again = await ask("big", "0.6", t0 + timedelta(seconds=2))
     assert isinstance(again, int)
     async with db.system_conn() as conn:
         rows = await (
@@ -580,7 +592,7 @@ async def test_a_call_deferred_for_room_in_flight_keeps_its_place_in_line(
     await spend.settle(again, amount=Decimal("0.6"), energy_joules=1.0, provenance="estimated",
                        now=t0)  # fmt: skip
     # Spent 0.8 of batch's 0.8: the small call can never fit; its wait ends, named as spend.
-    final = await ask(small, "0.2", t0 + timedelta(seconds=3))
+    final = await ask("small", "0.2", t0 + timedelta(seconds=3))
     assert isinstance(final, Refusal) and final.exhausted
     async with db.system_conn() as conn:
         left = await (await conn.execute("SELECT count(*) AS n FROM spend_waiters")).fetchone()
@@ -617,9 +629,7 @@ async def test_a_waiter_whose_message_ended_stops_holding_room(
     taken = await _running(db, {"first": lane, "gone": lane, "later": lane})
     t0 = datetime(2031, 8, 10, 12, 0, tzinfo=UTC)
 
-    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
-        m = taken[sid]
-        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+    ask = asker(spend, taken)
 
     assert isinstance(await ask("first", "0.5", t0), int)
     assert isinstance(await ask("gone", "0.6", t0), Refusal)  # in line for 0.6
@@ -648,9 +658,7 @@ async def test_a_waiter_more_urgent_work_keeps_from_fitting_holds_up_no_one(
     )
     t0 = datetime(2031, 9, 10, 12, 0, tzinfo=UTC)
 
-    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
-        m = taken[sid]
-        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+    ask = asker(spend, taken)
 
     live = await ask("live", "0.3", t0)
     assert isinstance(live, int)
@@ -684,10 +692,7 @@ async def test_two_waiters_stand_in_one_order_in_every_scope(
     )  # fmt: skip
     t0 = datetime(2031, 10, 10, 12, 0, tzinfo=UTC)
 
-    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
-        m = taken[sid]
-        return await reserve(spend, at, tenant=m.tenant, lease=m.lease, lane=m.lane,
-                             amount=Decimal(amount))  # fmt: skip
+    ask = asker(spend, taken)
 
     h1 = await ask("h1", "4", t0)
     assert isinstance(h1, int)
@@ -722,10 +727,7 @@ async def test_a_waiter_its_tenants_cap_keeps_out_holds_no_room_for_other_tenant
     )
     t0 = datetime(2031, 11, 10, 12, 0, tzinfo=UTC)
 
-    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
-        m = taken[sid]
-        return await reserve(spend, at, tenant=m.tenant, lease=m.lease, lane=m.lane,
-                             amount=Decimal(amount))  # fmt: skip
+    ask = asker(spend, taken)
 
     assert isinstance(await ask("live", "1.5", t0), int)
     assert isinstance(await ask("wide", "5", t0), int)  # the appliance: 6.5 of batch's 8
@@ -745,9 +747,7 @@ async def test_a_waiter_counts_while_it_asks_and_keeps_its_place_for_ten_minutes
     taken = await _running(db, {"first": lane, "slow": lane, "later": lane, "last": lane})
     t0 = datetime(2031, 12, 10, 12, 0, tzinfo=UTC)
 
-    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
-        m = taken[sid]
-        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+    ask = asker(spend, taken)
 
     assert isinstance(await ask("first", "0.5", t0), int)
     assert isinstance(await ask("slow", "0.6", t0), Refusal)
@@ -763,9 +763,9 @@ async def test_a_waiter_counts_while_it_asks_and_keeps_its_place_for_ten_minutes
 async def test_waiters_of_less_urgent_lanes_do_not_hide_those_a_call_yields_to(
     spend: PgSpendStore, db: Database
 ) -> None:
-    # The line is read no further than 1,000 waiters that count for the call: 1,000 batch
-    # waiters ahead once filled that window, and an interactive call took the room of the
-    # interactive waiter behind them.
+    # Each lane's line is read no further than its first 100 places: 1,000 batch waiters
+    # ahead once filled the one window there was, and an interactive call took the room of
+    # the interactive waiter behind them.
     from appliance.bus.core import Bus
     from appliance.db.runner_store import PgRunnerStore
 
@@ -787,9 +787,7 @@ async def test_waiters_of_less_urgent_lanes_do_not_hide_those_a_call_yields_to(
         )
         await conn.commit()
 
-    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
-        m = taken[sid]
-        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+    ask = asker(spend, taken)
 
     assert isinstance(await ask("first", "0.5", t0), int)
     assert isinstance(await ask("waiter", "0.6", t0), Refusal)
@@ -808,9 +806,7 @@ async def test_calls_kept_back_for_the_head_do_not_join_the_line(
     taken = await _running(db, {"first": batch, "big": batch, **{f"s{i}": batch for i in range(4)}})
     t0 = datetime(2032, 1, 10, 12, 0, tzinfo=UTC)
 
-    async def ask(sid: str, amount: str, at: datetime) -> int | Refusal:
-        m = taken[sid]
-        return await reserve(spend, at, lease=m.lease, lane=m.lane, amount=Decimal(amount))
+    ask = asker(spend, taken)
 
     first = await ask("first", "0.3", t0)
     assert isinstance(first, int)
