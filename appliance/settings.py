@@ -190,9 +190,10 @@ class SpendSettings(BaseModel):
     alert_fractions: list[Annotated[Decimal, Field(gt=0, le=1)]] = Field(
         default_factory=lambda: [Decimal("0.5"), Decimal("0.8"), Decimal("0.95")]
     )
-    # A call refused only because calls in flight hold the cap's room asks again in place for
-    # this long before its message is deferred (0 defers at once).
-    busy_wait_seconds: float = Field(default=5.0, ge=0, le=300)
+    # The first call in the cap's waiting line (refused only because calls in flight hold the
+    # room) asks again in place for this long at most before its message is deferred (0
+    # defers at once); its stage's deadline may end the wait sooner.
+    busy_wait_seconds: float = Field(default=120.0, ge=0, le=3600)
     # A call reserves its worst case times this (the cap stays conservative with estimates).
     safety_factor: Decimal = Field(default=Decimal("1.5"), ge=1)
     # Joules per token when a model has no calibration; None refuses such calls.

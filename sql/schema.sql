@@ -944,7 +944,7 @@ ALTER FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp wit
 -- Name: spend_reserve(text, appliance.lane, numeric, bigint, bigint, text, text, text, text, text, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) RETURNS TABLE(hold_id bigint, refusal text, month date, cap numeric, spent numeric, reserved numeric)
+CREATE FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) RETURNS TABLE(hold_id bigint, refusal text, month date, cap numeric, spent numeric, reserved numeric, behind bigint)
     LANGUAGE plpgsql
     SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
@@ -966,7 +966,7 @@ DECLARE
     ahead numeric;
     head_id bigint;
     live constant interval := interval '15 seconds';
-    place_kept constant interval := interval '10 minutes';
+    place_kept constant interval := interval '1 hour';
     refusing text[] := '{}';
     my_since timestamptz;
     hold bigint;
@@ -1002,7 +1002,7 @@ BEGIN
     ORDER BY sm.scope
     FOR UPDATE;
     -- This message's one place in line: its first refusal this month, in any scope (kept for
-    -- 10 minutes after its last refusal).
+    -- an hour after its last refusal).
     IF p_message_id IS NOT NULL THEN
         SELECT min(w.since) INTO my_since
         FROM spend_waiters w
@@ -1021,7 +1021,7 @@ BEGIN
                 DELETE FROM spend_waiters w WHERE w.message_id = p_message_id;
                 RETURN QUERY SELECT NULL::bigint,
                     'money: no monthly cap is set (appliance cap set AMOUNT)'::text, m,
-                    NULL::numeric, r.spent, r.reserved;
+                    NULL::numeric, r.spent, r.reserved, NULL::bigint;
                 RETURN;
             END IF;
             CONTINUE;  -- a tenant without a cap of its own is bounded by the appliance's
@@ -1043,7 +1043,7 @@ BEGIN
                                  cfg.currency)
                      ELSE format('money: %s monthly cap %s %s', r.scope, r.monthly_cap,
                                  cfg.currency) END,
-                m, lim, r.spent, r.reserved;
+                m, lim, r.spent, r.reserved, NULL::bigint;
             RETURN;
         END IF;
         IF r.scope = 'appliance' THEN
@@ -1076,6 +1076,10 @@ BEGIN
               AND a.message_id <> p_message_id
               AND a.gatherable
               AND a.seen_at > at - live
+              -- and spend alone still leaves it room
+              AND r.spent + a.amount
+                  <= CASE WHEN r.scope = 'appliance' AND ln.lane <> 'interactive'
+                          THEN r.monthly_cap * share ELSE r.monthly_cap END
             ORDER BY a.since, a.message_id
             LIMIT 1;
             ahead := coalesce(ahead, 0);
@@ -1130,7 +1134,7 @@ BEGIN
               AND w.scope <> ALL (waiting);
             DELETE FROM spend_waiters w
             WHERE w.message_id = p_message_id AND w.month = m AND w.scope <> ALL (refusing);
-            -- Waiters gone for 10 minutes (their work ended, or their month did) lose their
+            -- Waiters gone for an hour (their work ended, or their month did) lose their
             -- place, 100 at a time.
             DELETE FROM spend_waiters w
             WHERE w.ctid = ANY (ARRAY(SELECT x.ctid FROM spend_waiters x
@@ -1150,7 +1154,7 @@ BEGIN
                     THEN format(' (room kept for an earlier call asking %s, message %s)',
                                 refused.ahead, refused.head_id)
                     ELSE '' END,
-            m, refused.lim, refused.spent, refused.reserved;
+            m, refused.lim, refused.spent, refused.reserved, refused.head_id;
         RETURN;
     END IF;
     DELETE FROM spend_waiters w WHERE w.message_id = p_message_id;
@@ -1161,7 +1165,8 @@ BEGIN
     VALUES (m, p_tenant, p_lane, p_message_id, p_lease_token, p_pipeline, p_stage, p_kind,
             p_model, p_tier, 'reserved', p_amount, at)
     RETURNING id INTO hold;
-    RETURN QUERY SELECT hold, NULL::text, m, NULL::numeric, NULL::numeric, NULL::numeric;
+    RETURN QUERY SELECT hold, NULL::text, m, NULL::numeric, NULL::numeric, NULL::numeric,
+        NULL::bigint;
 END
 $$;
 

@@ -5,8 +5,9 @@ reservation of the call's worst case; a call that cannot be priced is refused. A
 both settle to what it really used (the cap to the cost of its measured or estimated energy).
 A refusal never causes a retry: the runner parks the message (held_budget) or ends it
 (budget_exhausted: X). The one exception is a cap whose room is only held by calls in flight:
-the call asks again in place for a few seconds (they settle within seconds, and the bus keeps
-the room that frees for the first call in line), then the runner defers the message.
+the first call in the cap's waiting line asks again in place until the room it needs has
+gathered (later calls leave it that room) or its stage's time runs out; a call kept back for
+another's room is deferred at once (the runner asks again a second or two later).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -60,9 +62,10 @@ class Admission:
 class GovernorConfig:
     pricing: Pricing
     time_zone: ZoneInfo = field(default_factory=lambda: ZoneInfo("UTC"))
-    # How long a call refused only for room held in flight asks again in place (every
-    # busy_retry to twice that, jittered) before the runner defers its message.
-    busy_wait: timedelta = timedelta(seconds=5)
+    # How long the head of the cap's waiting line asks again in place at most (every
+    # busy_retry to twice that, jittered) before the runner defers its message; its stage's
+    # deadline may end the wait sooner.
+    busy_wait: timedelta = timedelta(seconds=120)
     busy_retry: timedelta = timedelta(milliseconds=200)
 
 
@@ -91,44 +94,66 @@ class Governor:
         request: InferenceRequest,
         route: Route,
         model: ModelInfo,
+        wait_until: float | None = None,
     ) -> Admission:
-        """Reserve the call's worst case against the run budget and the monthly cap, or raise
-        BudgetExhausted / BudgetHeld. Nothing is held when it raises."""
+        """Reserve the call's worst case against the monthly cap and the run budget, or raise
+        BudgetHeld / BudgetBusy / BudgetExhausted. Nothing is held when it raises.
+        `wait_until` (time.monotonic()): when the head of the cap's line stops waiting in place
+        at the latest (its stage's deadline, less the time to persist a result)."""
         try:
             estimate = self.config.pricing.worst_case(
                 model.model, prompt_token_bound(request), request.max_tokens, model.n_ctx
             )
         except ConfigurationError as exc:
             raise BudgetHeld(f"held_budget: money: {exc}") from exc
-        run_ask: dict[str, object] | None = None
-        if budget is not None:
-            run_ask = {"tokens": estimate.tokens, "calls": 1, "money": estimate.amount}
-            await self.reserve_steps(
-                message,
-                budget,
-                verification=verification,
-                ask=run_ask,
-                detail=f"a {request.kind} call asked {run_ask}",
-            )
-        try:
-            hold = await self._reserve(message, estimate.amount, request.kind, route, model)
-        except BaseException:
-            await self._give_back_run(message, run_ask)
-            raise
+        # The cap first: a wait in place for its room holds nothing of the run's budget, which
+        # its other messages may need meanwhile.
+        hold = await self._reserve(message, estimate.amount, request.kind, route, model, wait_until)
         if isinstance(hold, Refusal):
-            await self._give_back_run(message, run_ask)
             if hold.exhausted:
                 raise BudgetHeld(hold.reason())
             # Room is only held by calls in flight; they settle at or below their holds.
             raise BudgetBusy(hold.reason().replace("held_budget:", "deferred:", 1))
+        run_ask: dict[str, object] | None = None
+        if budget is not None:
+            run_ask = {"tokens": estimate.tokens, "calls": 1, "money": estimate.amount}
+            try:
+                await self.reserve_steps(
+                    message,
+                    budget,
+                    verification=verification,
+                    ask=run_ask,
+                    detail=f"a {request.kind} call asked {run_ask}",
+                )
+            except BaseException:
+                await self.spend.settle(
+                    hold,
+                    amount=Decimal(0),
+                    energy_joules=None,
+                    provenance=None,
+                    released=True,
+                    note="released: the run's budget refused the call",
+                    now=None,
+                )
+                raise
         return Admission(hold, estimate, run_ask)
 
     async def _reserve(
-        self, message: Message, amount: Decimal, kind: str, route: Route, model: ModelInfo
+        self,
+        message: Message,
+        amount: Decimal,
+        kind: str,
+        route: Route,
+        model: ModelInfo,
+        wait_until: float | None,
     ) -> int | Refusal:
-        """A hold against the cap; refused only for room held in flight, asked again in place
-        until busy_wait has passed (the message keeps its lease and its place in line)."""
-        ends = asyncio.get_running_loop().time() + self.config.busy_wait.total_seconds()
+        """A hold against the cap, or the refusal. The head of the cap's waiting line (refused
+        for room held in flight, no one ahead of it) asks again in place until it fits, up to
+        busy_wait or `wait_until`: the room that frees is kept for it only while it asks. A
+        call kept back for another's room is refused at once: its slot is better free."""
+        ends = time.monotonic() + self.config.busy_wait.total_seconds()
+        if wait_until is not None:
+            ends = min(ends, wait_until)
         while True:
             hold = await self.spend.reserve(
                 tenant=message.tenant,
@@ -142,10 +167,10 @@ class Governor:
                 tier=route.tier.value,
                 now=None,
             )
-            if not isinstance(hold, Refusal) or hold.exhausted:
+            if not isinstance(hold, Refusal) or hold.exhausted or hold.behind is not None:
                 return hold
             pause = self.config.busy_retry.total_seconds() * random.uniform(1.0, 2.0)
-            if asyncio.get_running_loop().time() + pause > ends:
+            if time.monotonic() + pause > ends:
                 return hold
             await asyncio.sleep(pause)
 

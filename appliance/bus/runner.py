@@ -870,7 +870,11 @@ class Runner:
                 request=request,
                 route=found,
                 model=info,
+                wait_until=control.start_deadline,
             )
+            if control.start_deadline is not None:
+                # The wait for the cap's room came out of the stage's time.
+                control.timeout = max(control.start_deadline - time.monotonic(), 0.001)
         status, error, result = "ok", None, None
         energy: float | None = None
         provenance: str | None = None

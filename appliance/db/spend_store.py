@@ -67,6 +67,7 @@ class PgSpendStore:
             spent=row["spent"],
             reserved=row["reserved"],
             asked=amount,
+            behind=row["behind"],
         )
 
     async def settle(

@@ -96,6 +96,9 @@ class Refusal:
     spent: Decimal | None
     reserved: Decimal | None
     asked: Decimal
+    # The message whose room this call was kept back for (the head of the cap's waiting line),
+    # when that, not room held in flight alone, refused it.
+    behind: int | None = None
 
     @property
     def exhausted(self) -> bool:

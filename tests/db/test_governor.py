@@ -15,7 +15,7 @@ from appliance.db.database import Database
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.spend_store import PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
-from appliance.domain.budget import BudgetBusy, BudgetHeld
+from appliance.domain.budget import BudgetBusy, BudgetHeld, RunBudget
 from appliance.domain.cost import Pricing, Tariff
 from appliance.domain.envelope import Message
 from appliance.domain.inference import InferenceRequest, ModelInfo, Tier, route
@@ -47,12 +47,13 @@ async def governor(db: Database) -> Governor:
     return Governor(spend, GovernorConfig(PRICING, busy_wait=timedelta(0)), actor="test")
 
 
-async def admit(governor: Governor, message: Message) -> Admission:
+async def admit(governor: Governor, message: Message, wait_until: float | None = None) -> Admission:
     found = route("classify", {Tier.MECHANICAL})
     assert found is not None
     return await governor.admit(
-        message, budget=None, verification=False, request=REQUEST, route=found, model=MODEL
-    )
+        message, budget=None, verification=False, request=REQUEST, route=found, model=MODEL,
+        wait_until=wait_until,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -129,5 +130,49 @@ async def test_a_call_refused_for_room_in_flight_asks_again_in_place(
     third = await claimed(db, "c")
     began = time.monotonic()
     with pytest.raises(BudgetBusy, match="deferred: money"):
-        await admit(waiting, third)
+        await admit(waiting, third)  # the head of the line: it waited in place
     assert 2.5 < time.monotonic() - began < 6
+    # A call kept back for the head's room is refused at once: its slot is better free.
+    fourth = await claimed(db, "d")
+    began = time.monotonic()
+    with pytest.raises(BudgetBusy, match=f"room kept for an earlier call .*message {third.id}"):
+        await admit(waiting, fourth)
+    assert time.monotonic() - began < 2
+
+
+async def test_the_wait_in_place_ends_with_the_stage_and_holds_nothing_of_the_run(
+    governor: Governor, db: Database
+) -> None:
+    # The stage's time bounds the wait; and the cap's hold is had before the run's budget is
+    # touched, so other messages of the run keep its room meanwhile.
+    waiting = Governor(
+        governor.spend,
+        GovernorConfig(
+            PRICING, busy_wait=timedelta(seconds=30), busy_retry=timedelta(seconds=0.05)
+        ),
+        actor="test",
+    )
+    first = await claimed(db, "a")
+    await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
+    await admit(governor, first)
+    second = await claimed(db, "b")
+    began = time.monotonic()
+    found = route("classify", {Tier.MECHANICAL})
+    assert found is not None
+    waits = asyncio.create_task(
+        waiting.admit(
+            second,
+            budget=RunBudget(calls=5),
+            verification=False,
+            request=REQUEST,
+            route=found,
+            model=MODEL,
+            wait_until=began + 0.5,
+        )
+    )
+    await asyncio.sleep(0.2)
+    run = await waiting.spend.run_budget("acme", "t", "b")  # type: ignore[attr-defined]
+    assert run is None or not run["used"], run  # nothing of the run's budget is held
+    with pytest.raises(BudgetBusy):
+        await waits
+    assert time.monotonic() - began < 2  # the stage's time, not busy_wait's 30 s

@@ -188,8 +188,11 @@ async def test_a_run_budget_ends_the_message_naming_the_dimension(rig: Rig) -> N
     await rig.wait(dead, what="budget_exhausted")
     (row,) = await rig.rows("SELECT status_reason FROM agent_messages WHERE id = %(i)s", {"i": mid})
     assert row["status_reason"].startswith("budget_exhausted: tokens")
-    # The run budget refused first: nothing was held against the cap, and nothing ran.
-    assert await rig.rows("SELECT id FROM spend_ledger") == []
+    # The cap's hold (had first) was released at 0 when the run's budget refused the call,
+    # and nothing ran.
+    lines = await rig.rows("SELECT status, amount, note FROM spend_ledger")
+    assert [(r["status"], r["amount"]) for r in lines] == [("released", 0)], lines
+    assert "run's budget refused" in lines[0]["note"]
     assert rig.pool.stats()["mechanical"]["requests_total"] == 0
 
 
@@ -246,8 +249,8 @@ async def test_work_waits_briefly_while_the_cap_is_only_held_by_calls_in_flight(
 async def test_a_call_waits_in_place_while_the_cap_is_held_by_calls_in_flight(
     rig: Rig,
 ) -> None:
-    # The same cap, with the runner's in-place wait: the second and third calls ask again
-    # until the call before them settles, and run without being deferred or held.
+    # The same cap, with the runner's in-place wait: the head of the cap's line asks again
+    # until the call before it settles, and runs without being deferred or held.
     await rig.spend.set_cap("appliance", Decimal("0.02"))
     ids = [await submit(rig, "label", f"w{i}") for i in range(3)]
 
@@ -260,7 +263,8 @@ async def test_a_call_waits_in_place_while_the_cap_is_held_by_calls_in_flight(
         "AND to_status IN ('pending', 'held_budget') AND from_status IS NOT NULL",
         {"ids": ids},
     )
-    assert moves == [], moves
+    # The head of the line waited in place; only calls kept back for its room were deferred.
+    assert all("room kept for an earlier call" in m["reason"] for m in moves), moves
     calls = await rig.rows(
         "SELECT count(*) AS n FROM spend_ledger WHERE message_id = ANY(%(ids)s)", {"ids": ids}
     )
