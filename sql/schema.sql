@@ -1056,7 +1056,8 @@ BEGIN
         -- The head of the line ahead of this call: the first waiter placed before it, of its
         -- lane or a more urgent one (the lane enum is in claim order), able to gather its
         -- room, asked within the last 15 seconds, still pending or running. Each lane's line
-        -- is read no further than its first 100 places.
+        -- is read no further than its first 1,000 places (index entries; only those that
+        -- asked lately are looked up among the messages): bounded under the scope's lock.
         ahead := 0;
         head_id := NULL;
         IF p_message_id IS NOT NULL THEN
@@ -1068,7 +1069,7 @@ BEGIN
                 WHERE w.month = m AND w.scope = r.scope AND w.lane = ln.lane
                   AND (w.since, w.message_id) < (my_since, p_message_id)
                 ORDER BY w.since, w.message_id
-                LIMIT 100
+                LIMIT 1000
             ) AS a
             JOIN agent_messages h
               ON h.id = a.message_id AND h.status IN ('pending', 'running')

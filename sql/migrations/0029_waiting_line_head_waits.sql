@@ -7,8 +7,9 @@
 -- for (`behind`: the head's message), so that the governor waits in place only while its call
 -- is the head (until it fits, or its stage's time runs out) and defers at once a call kept
 -- back for another's room. A waiter keeps its place for an hour after its last ask (it was 10
--- minutes: a deferred message may take longer to come round again), and a head that spend
--- alone no longer leaves room for is not waited for.
+-- minutes: a deferred message may take longer to come round again; the line is read 1,000
+-- places deep a lane, not 100, since those kept places may stand ahead of the head), and a
+-- head that spend alone no longer leaves room for is not waited for.
 
 DROP FUNCTION spend_reserve(text, lane, numeric, bigint, bigint, text, text, text, text, text,
                             timestamptz);
@@ -129,7 +130,8 @@ BEGIN
         -- The head of the line ahead of this call: the first waiter placed before it, of its
         -- lane or a more urgent one (the lane enum is in claim order), able to gather its
         -- room, asked within the last 15 seconds, still pending or running. Each lane's line
-        -- is read no further than its first 100 places.
+        -- is read no further than its first 1,000 places (index entries; only those that
+        -- asked lately are looked up among the messages): bounded under the scope's lock.
         ahead := 0;
         head_id := NULL;
         IF p_message_id IS NOT NULL THEN
@@ -141,7 +143,7 @@ BEGIN
                 WHERE w.month = m AND w.scope = r.scope AND w.lane = ln.lane
                   AND (w.since, w.message_id) < (my_since, p_message_id)
                 ORDER BY w.since, w.message_id
-                LIMIT 100
+                LIMIT 1000
             ) AS a
             JOIN agent_messages h
               ON h.id = a.message_id AND h.status IN ('pending', 'running')
