@@ -944,7 +944,7 @@ ALTER FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp wit
 -- Name: spend_reserve(text, appliance.lane, numeric, bigint, bigint, text, text, text, text, text, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) RETURNS TABLE(hold_id bigint, refusal text, month date, cap numeric, spent numeric, reserved numeric, behind bigint)
+CREATE FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) RETURNS TABLE(hold_id bigint, refusal text, month date, cap numeric, spent numeric, reserved numeric, behind bigint, wait boolean)
     LANGUAGE plpgsql
     SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
@@ -968,6 +968,7 @@ DECLARE
     live constant interval := interval '15 seconds';
     place_kept constant interval := interval '1 hour';
     refusing text[] := '{}';
+    first_head bigint;
     my_since timestamptz;
     hold bigint;
     refused record;
@@ -1021,7 +1022,7 @@ BEGIN
                 DELETE FROM spend_waiters w WHERE w.message_id = p_message_id;
                 RETURN QUERY SELECT NULL::bigint,
                     'money: no monthly cap is set (appliance cap set AMOUNT)'::text, m,
-                    NULL::numeric, r.spent, r.reserved, NULL::bigint;
+                    NULL::numeric, r.spent, r.reserved, NULL::bigint, false;
                 RETURN;
             END IF;
             CONTINUE;  -- a tenant without a cap of its own is bounded by the appliance's
@@ -1043,7 +1044,7 @@ BEGIN
                                  cfg.currency)
                      ELSE format('money: %s monthly cap %s %s', r.scope, r.monthly_cap,
                                  cfg.currency) END,
-                m, lim, r.spent, r.reserved, NULL::bigint;
+                m, lim, r.spent, r.reserved, NULL::bigint, false;
             RETURN;
         END IF;
         IF r.scope = 'appliance' THEN
@@ -1091,6 +1092,7 @@ BEGIN
         END IF;
         IF r.spent + r.reserved + ahead + p_amount > lim THEN
             refusing := refusing || r.scope::text;
+            first_head := coalesce(first_head, head_id);
             IF NOT is_refused THEN
                 is_refused := true;
                 SELECT r.scope AS scope, lim AS lim, r.spent AS spent, r.reserved AS reserved,
@@ -1155,10 +1157,14 @@ BEGIN
                     THEN format(' (room kept for an earlier call asking %s, message %s)',
                                 refused.ahead, refused.head_id)
                     ELSE '' END,
-            m, refused.lim, refused.spent, refused.reserved, refused.head_id;
+            m, refused.lim, refused.spent, refused.reserved, coalesce(refused.head_id, first_head),
+            first_head IS NULL AND cardinality(waiting) > 0 AND coalesce(can_gather, false);
         RETURN;
     END IF;
-    DELETE FROM spend_waiters w WHERE w.message_id = p_message_id;
+    -- Admitted: out of every line, but its place is kept (a later call of the same handler
+    -- keeps it, for the hour a place is kept).
+    UPDATE spend_waiters w SET seen_at = at - live - interval '1 second'
+    WHERE w.message_id = p_message_id AND w.seen_at > at - live;
     UPDATE spend_months sm SET reserved = sm.reserved + p_amount
     WHERE sm.month = m AND sm.scope = ANY(scopes);
     INSERT INTO spend_ledger (month, tenant, lane, message_id, lease_token, pipeline, stage, kind,
@@ -1167,7 +1173,7 @@ BEGIN
             p_model, p_tier, 'reserved', p_amount, at)
     RETURNING id INTO hold;
     RETURN QUERY SELECT hold, NULL::text, m, NULL::numeric, NULL::numeric, NULL::numeric,
-        NULL::bigint;
+        NULL::bigint, false;
 END
 $$;
 

@@ -5,9 +5,11 @@ reservation of the call's worst case; a call that cannot be priced is refused. A
 both settle to what it really used (the cap to the cost of its measured or estimated energy).
 A refusal never causes a retry: the runner parks the message (held_budget) or ends it
 (budget_exhausted: X). The one exception is a cap whose room is only held by calls in flight:
-the first call in the cap's waiting line asks again in place until the room it needs has
-gathered (later calls leave it that room) or its stage's time runs out; a call kept back for
-another's room is deferred at once (the runner asks again a second or two later).
+the head of the cap's waiting line asks again in place, often, until the room it needs has
+gathered (later calls leave it that room) or half its stage's time is gone; any other call
+refused so asks again every second or two for a few seconds, holding its slot (freed, the slot
+would only claim the next message of the backlog to be refused alike), then the runner defers
+its message.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class GovernorConfig:
     # deadline may end the wait sooner.
     busy_wait: timedelta = timedelta(seconds=120)
     busy_retry: timedelta = timedelta(milliseconds=200)
+    # Any other call refused for room in flight (kept back for the head's room, or its room
+    # cannot gather while more urgent work holds it) asks again this often, this long.
+    kept_back_wait: timedelta = timedelta(seconds=10)
+    kept_back_retry: timedelta = timedelta(seconds=1)
 
 
 class Governor:
@@ -147,13 +153,15 @@ class Governor:
         model: ModelInfo,
         wait_until: float | None,
     ) -> int | Refusal:
-        """A hold against the cap, or the refusal. The head of the cap's waiting line (refused
-        for room held in flight, no one ahead of it) asks again in place until it fits, up to
-        busy_wait or `wait_until`: the room that frees is kept for it only while it asks. A
-        call kept back for another's room is refused at once: its slot is better free."""
-        ends = time.monotonic() + self.config.busy_wait.total_seconds()
+        """A hold against the cap, or the refusal. The head of the cap's waiting line asks
+        again in place until it fits, up to busy_wait or `wait_until`: the room that frees is
+        kept for it only while it asks. Any other call refused for room in flight asks again
+        slowly, up to kept_back_wait (or `wait_until`), then gives up (and is deferred)."""
+        start = time.monotonic()
+        head_ends = start + self.config.busy_wait.total_seconds()
+        back_ends = start + self.config.kept_back_wait.total_seconds()
         if wait_until is not None:
-            ends = min(ends, wait_until)
+            head_ends, back_ends = min(head_ends, wait_until), min(back_ends, wait_until)
         while True:
             hold = await self.spend.reserve(
                 tenant=message.tenant,
@@ -167,9 +175,13 @@ class Governor:
                 tier=route.tier.value,
                 now=None,
             )
-            if not isinstance(hold, Refusal) or hold.exhausted or hold.behind is not None:
+            if not isinstance(hold, Refusal) or hold.exhausted:
                 return hold
-            pause = self.config.busy_retry.total_seconds() * random.uniform(1.0, 2.0)
+            if hold.wait:
+                every, ends = self.config.busy_retry, head_ends
+            else:
+                every, ends = self.config.kept_back_retry, back_ends
+            pause = every.total_seconds() * random.uniform(1.0, 2.0)
             if time.monotonic() + pause > ends:
                 return hold
             await asyncio.sleep(pause)

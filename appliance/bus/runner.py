@@ -187,6 +187,8 @@ class _Attempt:
     acked: bool = False
     slot_free: bool = False
     started: float = 0.0  # monotonic, when it took its slot
+    # Waiting for the cap's room (in the governor): not using the model pool meanwhile.
+    admitting: bool = False
 
     @property
     def lease(self) -> LeaseRef:
@@ -600,7 +602,13 @@ class Runner:
     def _model_attempts(self, tier: Tier) -> int:
         # Held model work will want the pool too: a claim must not take more than it can queue.
         held = sum(1 for m in self._ahead.messages() if self._tier_of(m) is tier)
-        return held + sum(1 for a in self._attempts.values() if a.tier is tier and not a.slot_free)
+        # An attempt waiting for the cap's room uses no place of the pool: work of another lane
+        # that the cap admits may be claimed meanwhile.
+        return held + sum(
+            1
+            for a in self._attempts.values()
+            if a.tier is tier and not a.slot_free and not a.admitting
+        )
 
     def _tier_of(self, message: Message) -> Tier | None:
         """The pool tier a message's model work would be routed to now (None: no model work)."""
@@ -863,15 +871,24 @@ class Runner:
         if self.governor is not None:
             pipeline = self.registry.pipeline(message.pipeline)
             stage = self.registry.stage(message.pipeline, message.stage)
-            admission = await self.governor.admit(
-                message,
-                budget=pipeline.budget if pipeline is not None else None,
-                verification=bool(stage and stage.verification),
-                request=request,
-                route=found,
-                model=info,
-                wait_until=control.start_deadline,
-            )
+            # A wait for the cap's room may take half the stage's time left, no more: the call
+            # needs the rest (deferred, its stage starts afresh).
+            wait_until = None
+            if control.start_deadline is not None:
+                wait_until = time.monotonic() + (control.start_deadline - time.monotonic()) / 2
+            attempt.admitting = True
+            try:
+                admission = await self.governor.admit(
+                    message,
+                    budget=pipeline.budget if pipeline is not None else None,
+                    verification=bool(stage and stage.verification),
+                    request=request,
+                    route=found,
+                    model=info,
+                    wait_until=wait_until,
+                )
+            finally:
+                attempt.admitting = False
             if control.start_deadline is not None:
                 # The wait for the cap's room came out of the stage's time.
                 control.timeout = max(control.start_deadline - time.monotonic(), 0.001)

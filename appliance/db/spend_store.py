@@ -68,6 +68,7 @@ class PgSpendStore:
             reserved=row["reserved"],
             asked=amount,
             behind=row["behind"],
+            wait=bool(row["wait"]),
         )
 
     async def settle(

@@ -99,6 +99,9 @@ class Refusal:
     # The message whose room this call was kept back for (the head of the cap's waiting line),
     # when that, not room held in flight alone, refused it.
     behind: int | None = None
+    # The head of the waiting line, refused for room held in flight that can gather: it asks
+    # again in place (the room that frees is kept for it while it asks).
+    wait: bool = False
 
     @property
     def exhausted(self) -> bool:

@@ -109,7 +109,13 @@ async def test_a_call_refused_for_room_in_flight_asks_again_in_place(
     # after busy_wait, still only deferred.
     waiting = Governor(
         governor.spend,
-        GovernorConfig(PRICING, busy_wait=timedelta(seconds=3), busy_retry=timedelta(seconds=0.05)),
+        GovernorConfig(
+            PRICING,
+            busy_wait=timedelta(seconds=3),
+            busy_retry=timedelta(seconds=0.05),
+            kept_back_wait=timedelta(seconds=1),
+            kept_back_retry=timedelta(seconds=0.3),
+        ),
         actor="test",
     )
     first = await claimed(db, "a")
@@ -132,12 +138,12 @@ async def test_a_call_refused_for_room_in_flight_asks_again_in_place(
     with pytest.raises(BudgetBusy, match="deferred: money"):
         await admit(waiting, third)  # the head of the line: it waited in place
     assert 2.5 < time.monotonic() - began < 6
-    # A call kept back for the head's room is refused at once: its slot is better free.
+    # A call kept back for the head's room asks again slowly, and briefly (kept_back_wait).
     fourth = await claimed(db, "d")
     began = time.monotonic()
     with pytest.raises(BudgetBusy, match=f"room kept for an earlier call .*message {third.id}"):
         await admit(waiting, fourth)
-    assert time.monotonic() - began < 2
+    assert 0.5 < time.monotonic() - began < 2.5
 
 
 async def test_the_wait_in_place_ends_with_the_stage_and_holds_nothing_of_the_run(

@@ -582,10 +582,13 @@ async def test_a_call_deferred_for_room_in_flight_keeps_its_place_in_line(
     assert isinstance(again, int)
     async with db.system_conn() as conn:
         rows = await (
-            await conn.execute("SELECT message_id FROM spend_waiters ORDER BY since")
+            await conn.execute(
+                "SELECT message_id FROM spend_waiters WHERE seen_at > %s",
+                (t0 + timedelta(seconds=2) - timedelta(seconds=15),),
+            )
         ).fetchall()
-    # The big call's wait is over; the small one, kept back only for the big one's room (not
-    # by calls in flight), never joined the line.
+    # The big call's wait is over (its place is kept, out of the line); the small one, kept
+    # back only for the big one's room (not by calls in flight), never joined the line.
     assert [r["message_id"] for r in rows] == []
 
     # A refusal by spend alone ends the wait of the call it refused.
@@ -595,7 +598,12 @@ async def test_a_call_deferred_for_room_in_flight_keeps_its_place_in_line(
     final = await ask("small", "0.2", t0 + timedelta(seconds=3))
     assert isinstance(final, Refusal) and final.exhausted
     async with db.system_conn() as conn:
-        left = await (await conn.execute("SELECT count(*) AS n FROM spend_waiters")).fetchone()
+        left = await (
+            await conn.execute(
+                "SELECT count(*) AS n FROM spend_waiters WHERE message_id = %s",
+                (taken["small"].id,),
+            )
+        ).fetchone()
     assert left is not None and left["n"] == 0
 
 
@@ -824,3 +832,54 @@ async def test_calls_kept_back_for_the_head_do_not_join_the_line(
     assert [isinstance(await ask(f"s{i}", "0.3", later), int) for i in range(4)] == [
         True, True, False, False,
     ]  # fmt: skip
+
+
+async def test_only_the_head_whose_room_can_gather_is_told_to_wait_in_place(
+    spend: PgSpendStore, db: Database
+) -> None:
+    # Migration 0030: every refused call with no head ahead used to wait in place, even one
+    # whose room more urgent work held, and so held a runner slot for minutes.
+    await spend.set_cap("appliance", Decimal("1.0"))
+    taken = await _running(
+        db,
+        {"live": ("acme", Lane.INTERACTIVE), "flow": ("acme", Lane.BATCH),
+         "big": ("acme", Lane.BATCH), "other": ("acme", Lane.BATCH)},
+    )  # fmt: skip
+    ask = asker(spend, taken)
+    t0 = datetime(2032, 2, 10, 12, 0, tzinfo=UTC)
+    live = await ask("live", "0.3", t0)
+    assert isinstance(live, int)
+    # 0.3 interactive in flight + 0.6 > batch's 0.8: its room cannot gather; no waiting.
+    kept_out = await ask("big", "0.6", t0)
+    assert isinstance(kept_out, Refusal) and not kept_out.wait and kept_out.behind is None
+    await spend.settle(live, amount=Decimal(0), energy_joules=None, provenance=None,
+                       released=True, now=t0)  # fmt: skip
+    flow = await ask("flow", "0.3", t0 + timedelta(seconds=1))
+    assert isinstance(flow, int)
+    # Batch work in flight is all that is in its way: the head waits in place ...
+    head = await ask("big", "0.6", t0 + timedelta(seconds=2))
+    assert isinstance(head, Refusal) and head.wait and head.behind is None
+    # ... and a call kept back for its room does not, and is told for whom.
+    other = await ask("other", "0.3", t0 + timedelta(seconds=2))
+    assert isinstance(other, Refusal) and not other.wait and other.behind == taken["big"].id
+
+
+async def test_an_admitted_call_keeps_its_messages_place_for_its_next_call(
+    spend: PgSpendStore, db: Database
+) -> None:
+    await spend.set_cap("appliance", Decimal("1.0"))
+    lane = ("acme", Lane.INTERACTIVE)
+    taken = await _running(db, {"first": lane, "two": lane, "late": lane})
+    ask = asker(spend, taken)
+    t0 = datetime(2032, 2, 20, 12, 0, tzinfo=UTC)
+    first = await ask("first", "0.7", t0)
+    assert isinstance(first, int)
+    assert isinstance(await ask("two", "0.5", t0), Refusal)  # in line since t0
+    small = await ask("two", "0.2", t0 + timedelta(seconds=1))  # its first, small call fits
+    assert isinstance(small, int)
+    assert isinstance(await ask("late", "0.5", t0 + timedelta(seconds=2)), Refusal)
+    # Its second, larger call is still ahead of "late", which joined the line after it.
+    second = await ask("two", "0.5", t0 + timedelta(seconds=3))
+    assert isinstance(second, Refusal) and second.behind is None and second.wait
+    behind = await ask("late", "0.5", t0 + timedelta(seconds=3))
+    assert isinstance(behind, Refusal) and behind.behind == taken["two"].id

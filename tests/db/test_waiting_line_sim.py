@@ -1,9 +1,10 @@
 """The cap's waiting line under a backlog, in simulated time against the real statements: one
 runner's batch slots claim (the real claim, deferral and promotion), reserve (the real
 spend_reserve) and follow the governor's rule for a call refused for room held in flight: the
-head of the line asks again in place until it fits, a call kept back for another's room is
-deferred at once (migration 0029). A large call enqueued ahead of a backlog of small ones used
-to be deferred behind the whole backlog, stop counting as waiting, and never fit."""
+head of the line asks again in place until it fits, any other call asks again slowly for a few
+seconds and is then deferred (migrations 0029, 0030). A large call enqueued ahead of a backlog
+of small ones used to be deferred behind the whole backlog, stop counting as waiting, and never
+fit; and calls kept back for it used to churn through the backlog, a deferral each."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ from appliance.domain.envelope import Lane
 
 T0 = datetime(2032, 3, 10, 12, 0, tzinfo=UTC)
 SMALL, BIG = Decimal("0.1"), Decimal("0.5")
-RETRY_S = 0.2  # the governor's busy_retry (to twice that, jittered)
+RETRY_S = 0.2  # the governor's busy_retry (to twice that, jittered), for the head
 WAIT_S = 120.0  # its busy_wait
+BACK_RETRY_S = 1.0  # kept_back_retry, for any other call refused for room in flight
+BACK_WAIT_S = 10.0  # kept_back_wait
 
 
 def at(s: float) -> datetime:
@@ -104,9 +107,9 @@ async def simulate(db: Database, backlog: int, rate: float, slots: int = 16) -> 
                 event(s + rng.uniform(15, 25), "done", slot, (m, r))
                 continue
             assert isinstance(r, Refusal) and not r.exhausted, r
-            pause = RETRY_S * rng.uniform(1, 2)
-            if r.behind is None and s + pause <= started + WAIT_S:
-                event(s + pause, "ask", slot, (m, started))  # the head waits in place
+            pause = (RETRY_S if r.wait else BACK_RETRY_S) * rng.uniform(1, 2)
+            if s + pause <= started + (WAIT_S if r.wait else BACK_WAIT_S):
+                event(s + pause, "ask", slot, (m, started))  # in place: the head often
             else:
                 await store.defer(m.lease, delay=timedelta(seconds=rng.uniform(1, 2)),
                                   reason="deferred", actor="w", now=now)  # fmt: skip
@@ -129,3 +132,6 @@ async def test_a_large_call_ahead_of_a_backlog_of_small_ones_fits_soon(
     # Small calls take 15-25 s: the big one fits once the calls in flight when it first asked
     # have settled, not after the backlog (it never did, with or without one, in 600 s).
     assert out.big_admitted_at is not None and out.big_admitted_at < 60, out
+    # Calls kept back meanwhile hold their slots a few seconds at a time: deferrals come at
+    # most a slot each per kept_back_wait, not at the database's speed (3,499 in 18 s before).
+    assert out.deferrals <= 16 * (out.big_admitted_at / BACK_WAIT_S + 1), out
