@@ -101,11 +101,13 @@ class Governor:
         route: Route,
         model: ModelInfo,
         wait_until: float | None = None,
+        waiting: Callable[[bool], None] | None = None,
     ) -> Admission:
         """Reserve the call's worst case against the monthly cap and the run budget, or raise
         BudgetHeld / BudgetBusy / BudgetExhausted. Nothing is held when it raises.
         `wait_until` (time.monotonic()): when the head of the cap's line stops waiting in place
-        at the latest (its stage's deadline, less the time to persist a result)."""
+        at the latest (its stage's deadline, less the time to persist a result). `waiting` is
+        told when the call starts and stops waiting for the cap's room."""
         try:
             estimate = self.config.pricing.worst_case(
                 model.model, prompt_token_bound(request), request.max_tokens, model.n_ctx
@@ -114,7 +116,9 @@ class Governor:
             raise BudgetHeld(f"held_budget: money: {exc}") from exc
         # The cap first: a wait in place for its room holds nothing of the run's budget, which
         # its other messages may need meanwhile.
-        hold = await self._reserve(message, estimate.amount, request.kind, route, model, wait_until)
+        hold = await self._reserve(
+            message, estimate.amount, request.kind, route, model, wait_until, waiting
+        )
         if isinstance(hold, Refusal):
             if hold.exhausted:
                 raise BudgetHeld(hold.reason())
@@ -152,6 +156,7 @@ class Governor:
         route: Route,
         model: ModelInfo,
         wait_until: float | None,
+        waiting: Callable[[bool], None] | None = None,
     ) -> int | Refusal:
         """A hold against the cap, or the refusal. The head of the cap's waiting line asks
         again in place until it fits, up to busy_wait or `wait_until`: the room that frees is
@@ -184,7 +189,13 @@ class Governor:
             pause = every.total_seconds() * random.uniform(1.0, 2.0)
             if time.monotonic() + pause > ends:
                 return hold
-            await asyncio.sleep(pause)
+            if waiting is not None:
+                waiting(True)
+            try:
+                await asyncio.sleep(pause)
+            finally:
+                if waiting is not None:
+                    waiting(False)
 
     async def settle(
         self,

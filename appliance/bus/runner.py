@@ -187,7 +187,7 @@ class _Attempt:
     acked: bool = False
     slot_free: bool = False
     started: float = 0.0  # monotonic, when it took its slot
-    # Waiting for the cap's room (in the governor): not using the model pool meanwhile.
+    # Waiting (between asks) for the cap's room: not using the model pool meanwhile.
     admitting: bool = False
 
     @property
@@ -876,19 +876,20 @@ class Runner:
             wait_until = None
             if control.start_deadline is not None:
                 wait_until = time.monotonic() + (control.start_deadline - time.monotonic()) / 2
-            attempt.admitting = True
-            try:
-                admission = await self.governor.admit(
-                    message,
-                    budget=pipeline.budget if pipeline is not None else None,
-                    verification=bool(stage and stage.verification),
-                    request=request,
-                    route=found,
-                    model=info,
-                    wait_until=wait_until,
-                )
-            finally:
-                attempt.admitting = False
+
+            def waiting(now_waiting: bool) -> None:
+                attempt.admitting = now_waiting
+
+            admission = await self.governor.admit(
+                message,
+                budget=pipeline.budget if pipeline is not None else None,
+                verification=bool(stage and stage.verification),
+                request=request,
+                route=found,
+                model=info,
+                wait_until=wait_until,
+                waiting=waiting,
+            )
             if control.start_deadline is not None:
                 # The wait for the cap's room came out of the stage's time.
                 control.timeout = max(control.start_deadline - time.monotonic(), 0.001)

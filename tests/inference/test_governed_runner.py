@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
@@ -91,7 +92,8 @@ class Rig(DbChecks):
 async def rig(fresh_db: Endpoints, request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     # How long a call refused for room in flight asks again in place: none unless a test
     # asks (its message is deferred at once), as it was before that wait existed.
-    busy_wait = getattr(request, "param", timedelta(0))
+    options: dict[str, Any] = getattr(request, "param", {})
+    busy_wait = options.get("busy_wait", timedelta(0))
     db = Database(fresh_db, max_size=8)
     await db.open()
     await PgTenantStore(db).add("acme")
@@ -104,7 +106,9 @@ async def rig(fresh_db: Endpoints, request: pytest.FixtureRequest) -> AsyncItera
         ThreadCpu(),
         {"cpu": 10.0},
     )
-    pool = InferencePool([spec(Tier.MECHANICAL)], cores=2, meter=meter)
+    pool = InferencePool(
+        [spec(Tier.MECHANICAL, queue=options.get("queue", 4))], cores=2, meter=meter
+    )
     await pool.start()
     # 1,000 J per token at 1 EUR/kWh: one call's worst case is a visible fraction of a cent.
     pricing = Pricing(
@@ -245,7 +249,7 @@ async def test_work_waits_briefly_while_the_cap_is_only_held_by_calls_in_flight(
     assert await rig.rows("SELECT id FROM agent_messages WHERE status = 'held_budget'") == []
 
 
-@pytest.mark.parametrize("rig", [timedelta(seconds=5)], indirect=True)
+@pytest.mark.parametrize("rig", [{"busy_wait": timedelta(seconds=5)}], indirect=True)
 async def test_a_call_waits_in_place_while_the_cap_is_held_by_calls_in_flight(
     rig: Rig,
 ) -> None:
@@ -289,3 +293,25 @@ async def test_fan_out_cannot_escape_its_run_budget(rig: Rig) -> None:
     dead = [r for r in rows if r["s"] == "dead"]
     assert len(dead) == 4
     assert all(r["status_reason"].startswith("budget_exhausted: steps") for r in dead)
+
+
+@pytest.mark.parametrize("rig", [{"queue": 1}], indirect=True)  # room for 2, 4 slots
+async def test_admission_does_not_let_the_runner_claim_past_its_models_queue(rig: Rig) -> None:
+    # Only a call waiting between asks for the cap's room leaves the pool's count: counted
+    # out for its whole admission, calls being admitted let the runner claim more model work
+    # than the pool could queue, and those were deferred (QueueFull), their holds released.
+    await rig.spend.set_cap("appliance", Decimal("10"))
+    ids = [await submit(rig, "label", f"q{i}") for i in range(12)]
+
+    async def done() -> bool:
+        return await rig.status_of("label") == ["done"] * 12
+
+    await rig.wait(done, what="all twelve done")
+    lines = await rig.rows("SELECT status FROM spend_ledger")
+    assert [r["status"] for r in lines] == ["settled"] * 12, lines
+    deferred = await rig.rows(
+        "SELECT reason FROM message_transitions WHERE message_id = ANY(%(ids)s) "
+        "AND to_status = 'pending' AND from_status IS NOT NULL",
+        {"ids": ids},
+    )
+    assert deferred == [], deferred
