@@ -296,43 +296,40 @@ class Maintenance:
             if (rounds >= 10) if ends is None else (time.monotonic() >= ends):
                 return
 
+    async def _upkeep_round(self, step: Callable[[], Awaitable[int]], what: str) -> int:
+        """One round of an upkeep sweep: `step` (one bounded batch) until a short batch or
+        UPKEEP_ROUND_S; the rows it handled, those of the batches before a failure included
+        (the failure is logged, and the next round tries again)."""
+        handled = 0
+        try:
+            async for n in self._batches(step, budget_s=UPKEEP_ROUND_S):
+                handled += n
+        except Exception:
+            log.exception("%s failed", what)
+        return handled
+
     async def archive(self) -> None:
         """Move old terminal messages to the archive, in bounded batches."""
-        try:
-            async for moved in self._batches(
-                lambda: self.store.archive(
-                    retention=self.archive_retention, batch=self.archive_batch
-                ),
-                budget_s=UPKEEP_ROUND_S,
-            ):
-                self.archived += moved
-        except Exception:
-            log.exception("archive failed")
+        self.archived += await self._upkeep_round(
+            lambda: self.store.archive(retention=self.archive_retention, batch=self.archive_batch),
+            "archive",
+        )
 
     async def purge_keys(self) -> None:
         """Delete expired idempotency keys, in bounded batches like the archive."""
-        try:
-            async for purged in self._batches(
-                lambda: self.store.purge_keys(batch=self.archive_batch), budget_s=UPKEEP_ROUND_S
-            ):
-                self.keys_purged += purged
-        except Exception:
-            log.exception("purging expired idempotency keys failed")
+        self.keys_purged += await self._upkeep_round(
+            lambda: self.store.purge_keys(batch=self.archive_batch),
+            "purging expired idempotency keys",
+        )
 
     async def purge_run_budgets(self) -> None:
         """Delete the budgets of runs idle past the horizon, in bounded batches likewise."""
         assert self.spend is not None
         spend = self.spend
-        try:
-            async for purged in self._batches(
-                lambda: spend.purge_run_budgets(
-                    idle=self.run_budget_idle, batch=self.archive_batch
-                ),
-                budget_s=UPKEEP_ROUND_S,
-            ):
-                self.budgets_purged += purged
-        except Exception:
-            log.exception("purging idle run budgets failed")
+        self.budgets_purged += await self._upkeep_round(
+            lambda: spend.purge_run_budgets(idle=self.run_budget_idle, batch=self.archive_batch),
+            "purging idle run budgets",
+        )
 
     async def prune_history(self) -> None:
         """Delete history finished longer than the history retention ago, in bounded batches
@@ -340,14 +337,10 @@ class Maintenance:
         retention = self.history_retention
         if retention is None:
             return
-        try:
-            async for pruned in self._batches(
-                lambda: self.store.prune_history(retention=retention, batch=self.archive_batch),
-                budget_s=UPKEEP_ROUND_S,
-            ):
-                self.history_pruned += pruned
-        except Exception:
-            log.exception("pruning old history failed")
+        self.history_pruned += await self._upkeep_round(
+            lambda: self.store.prune_history(retention=retention, batch=self.archive_batch),
+            "pruning old history",
+        )
 
     async def planner_stats(self) -> None:
         """Keep the envelope's statistics in step with bursts (autovacuum may take minutes):

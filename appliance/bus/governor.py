@@ -279,13 +279,3 @@ class Governor:
         )
         if exhausted is not None:
             raise BudgetExhausted(exhausted, detail)
-
-    async def _give_back_run(self, message: Message, run_ask: dict[str, object] | None) -> None:
-        if run_ask is None:
-            return
-        await self.spend.run_adjust(
-            tenant=message.tenant,
-            source=message.source,
-            source_id=message.source_id,
-            delta={k: -Decimal(str(v)) for k, v in run_ask.items()},
-        )

@@ -188,7 +188,7 @@ class _Attempt:
     slot_free: bool = False
     started: float = 0.0  # monotonic, when it took its slot
     # Waiting (between asks) for the cap's room: not using the model pool meanwhile.
-    admitting: bool = False
+    waiting_for_room: bool = False
 
     @property
     def lease(self) -> LeaseRef:
@@ -607,7 +607,7 @@ class Runner:
         return held + sum(
             1
             for a in self._attempts.values()
-            if a.tier is tier and not a.slot_free and not a.admitting
+            if a.tier is tier and not a.slot_free and not a.waiting_for_room
         )
 
     def _tier_of(self, message: Message) -> Tier | None:
@@ -878,7 +878,7 @@ class Runner:
                 wait_until = time.monotonic() + (control.start_deadline - time.monotonic()) / 2
 
             def waiting(now_waiting: bool) -> None:
-                attempt.admitting = now_waiting
+                attempt.waiting_for_room = now_waiting
 
             admission = await self.governor.admit(
                 message,
