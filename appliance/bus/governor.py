@@ -1,8 +1,10 @@
 """Admission control for model calls: reserve before work, settle after, in one place.
 
 Before a call: the run's budget (tokens, calls, money) and the monthly cap each get a
-reservation of the call's worst case; a call that cannot be priced is refused. After the call:
-both settle to what it really used (the cap to the cost of its measured or estimated energy).
+reservation of the call's worst case; a call that cannot be priced is refused. During it, the
+pool stops the generation before its metered energy passes what the hold paid for. After the
+call: both settle to what it really used (the cap to the cost of its measured or estimated
+energy).
 A refusal never causes a retry: the runner parks the message (held_budget) or ends it
 (budget_exhausted: X). The one exception is a cap whose room is only held by calls in flight:
 the head of the cap's waiting line asks again in place, often, until the room it needs has
@@ -208,10 +210,14 @@ class Governor:
         prompt_tokens: int | None,
         failed: bool,
         usage_unknown: bool = False,
+        cut: bool = False,
     ) -> Decimal:
-        """Charge what the call used (its energy at the tariff) and give back the rest."""
+        """Charge what the call used (its energy at the tariff) and give back the rest. `cut`:
+        the pool stopped the generation at the energy the hold paid for."""
         local = self.clock().astimezone(self.config.time_zone)
         note = None
+        if cut:
+            note = "generation stopped at the energy its hold paid for (joules per token too low)"
         if energy_joules is not None:
             amount = self.config.pricing.tariff.cost(energy_joules, local)
         elif failed and not usage_unknown:

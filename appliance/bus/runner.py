@@ -34,6 +34,7 @@ from appliance.domain.envelope import (
 )
 from appliance.domain.errors import InvalidInput
 from appliance.domain.inference import (
+    ENERGY_LIMIT,
     TIER_ORDER,
     CallCancelled,
     CallControl,
@@ -893,6 +894,10 @@ class Runner:
             if control.start_deadline is not None:
                 # The wait for the cap's room came out of the stage's time.
                 control.timeout = max(control.start_deadline - time.monotonic(), 0.001)
+            # The pool stops the generation before its metered energy passes what the hold
+            # paid for, so the call settles within its hold even when the joules-per-token
+            # figure behind the estimate is too low.
+            control.energy_limit = float(admission.estimate.joules)
         status, error, result = "ok", None, None
         energy: float | None = None
         provenance: str | None = None
@@ -922,6 +927,7 @@ class Runner:
                         prompt_tokens=result.prompt_tokens if result else 0,
                         failed=result is None,
                         usage_unknown=usage_unknown,
+                        cut=result is not None and result.finish_reason == ENERGY_LIMIT,
                     )
                 except Exception:
                     # The hold stays reserved; the reclaimer releases it once the lease is gone.

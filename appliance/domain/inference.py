@@ -203,6 +203,11 @@ class OutputInvalid(InferenceError):
 # -- the port the runner uses ----------------------------------------------------------------------
 
 
+# The finish reason of a call whose generation was stopped at the energy its reservation paid
+# for (a cut like max_tokens' "length": the text is what was generated until then).
+ENERGY_LIMIT = "energy_limit"
+
+
 @dataclass
 class CallControl:
     """How a caller bounds one call: a deadline to start by, a timeout to finish in, a cancel."""
@@ -213,6 +218,11 @@ class CallControl:
     # Progress: called from the worker thread with the tokens generated so far, once per token.
     # Must be cheap and thread-safe (hand off to the loop with call_soon_threadsafe).
     on_token: Callable[[int], None] | None = None
+    # Joules of metered energy the call may use (what its reservation against the cap paid
+    # for): generation stops before its energy would pass it, and the result says so with
+    # finish_reason ENERGY_LIMIT. Not enforced where the pool has no meter (such a call is
+    # charged its whole reservation anyway).
+    energy_limit: float | None = None
 
 
 class InferenceService(Protocol):
@@ -265,6 +275,10 @@ class CallMeter(Protocol):
     def begin(self, call_id: str, native_id: int, threads: int = 1) -> None: ...
 
     def end(self, call_id: str) -> EnergyFigure: ...
+
+    def used(self, call_id: str) -> float:
+        """The joules charged to a running call so far (closes the meter's current interval)."""
+        ...
 
 
 def as_messages(items: Sequence[Mapping[str, str] | ChatMessage]) -> tuple[ChatMessage, ...]:

@@ -4,8 +4,9 @@ A `Llama` is not thread-safe, so each worker builds its own instance in its own 
 the only thread that ever touches it; ctypes releases the GIL inside llama.cpp, so workers run
 truly in parallel. Each tier has a bounded queue: a request is refused when the queue is full,
 refused (never run late) when it cannot start before its deadline, and stopped between tokens
-when cancelled or out of time. A failed call fails that request alone and the worker rebuilds
-its instance; the pool goes on serving.
+when cancelled, out of time, or (under a meter) out of the energy its reservation paid for. A
+failed call fails that request alone and the worker rebuilds its instance; the pool goes on
+serving.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -30,6 +32,7 @@ from llama_cpp.llama_grammar import LlamaGrammar
 
 from appliance.domain.errors import ConfigurationError
 from appliance.domain.inference import (
+    ENERGY_LIMIT,
     CallCancelled,
     CallControl,
     CallMeter,
@@ -43,6 +46,7 @@ from appliance.domain.inference import (
     Tier,
 )
 from appliance.inference.cache import VerificationError, file_stamp, sha256_file
+from appliance.inference.energy_guard import EnergyGuard
 from appliance.inference.lockfile import ModelEntry
 
 log = logging.getLogger("appliance.inference")
@@ -106,10 +110,11 @@ def gpu_offload_supported() -> bool:
 
 
 class _Stop(Exception):
-    def __init__(self, why: str, tokens: int) -> None:
+    def __init__(self, why: str, tokens: int, text: str = "") -> None:
         super().__init__(why)
         self.why = why
         self.tokens = tokens
+        self.text = text  # what was generated until the stop (kept for an energy stop)
 
 
 class _RequestError(Exception):
@@ -127,6 +132,9 @@ class _Job:
     start_deadline: float | None
     timeout: float | None
     on_token: Callable[[int], None] | None = None
+    energy_limit: float | None = None
+    # Set by the worker while the call runs under a meter: the joules charged to it so far.
+    energy_used: Callable[[], float] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
 
     def resolve(self, value: InferenceResult | BaseException) -> None:
@@ -267,10 +275,12 @@ class _Worker(threading.Thread):
             log.exception("%s: the meter failed; this call is charged its reservation", self.name)
             return self._serve_one(job)
         outcome: InferenceResult | InferenceError | None = None
+        job.energy_used = functools.partial(meter.used, call_id)
         try:
             outcome = self._serve_one(job)
             return outcome
         finally:
+            job.energy_used = None
             try:
                 energy = meter.end(call_id)
             except Exception:
@@ -349,21 +359,34 @@ class _Worker(threading.Thread):
             raise RuntimeError(f"{self.name}: instance already in use (pool bug)")
         first: float | None = None
         generated = 0
+        prompt_ids = 0
         stop_at = started + job.timeout if job.timeout is not None else None
+        energy = (
+            EnergyGuard(job.energy_limit, job.energy_used, started)
+            if job.energy_limit is not None and job.energy_limit > 0 and job.energy_used is not None
+            else None
+        )
         try:
 
-            def between_tokens(_ids: Any, _scores: Any) -> bool:
+            def between_tokens(ids: Any, _scores: Any) -> bool:
                 # Called in Python once per sampled token, after the prompt is evaluated. (Not a
                 # logits processor: those run as a ctypes callback, where an exception is lost,
-                # and they copy the whole vocabulary's logits every token.)
-                nonlocal first, generated
+                # and they copy the whole vocabulary's logits every token.) `ids` holds the
+                # evaluated tokens: the prompt, then every token generated before this one.
+                nonlocal first, generated, prompt_ids
                 now = time.monotonic()
                 if first is None:
-                    first = now
+                    first, prompt_ids = now, len(ids)
                 if job.cancel.is_set():
                     raise _Stop("cancelled", generated)
                 if stop_at is not None and now > stop_at:
                     raise _Stop("timeout", generated)
+                if energy is not None and energy.stop(now):
+                    # Out of the energy the reservation paid for: keep what was written so far.
+                    out = llama.detokenize(
+                        list(ids[prompt_ids:]), prev_tokens=list(ids[:prompt_ids])
+                    )
+                    raise _Stop("energy", len(ids) - prompt_ids, out.decode("utf-8", "ignore"))
                 generated += 1
                 if job.on_token is not None:
                     try:
@@ -392,15 +415,32 @@ class _Worker(threading.Thread):
                     f"the prompt is {prompt_tokens_n} tokens, the context holds"
                     f" {llama.n_ctx()}: shorten it"
                 )
-            response: Any = llama.create_completion(
-                prompt=prompt,
-                grammar=grammar,
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                seed=request.seed,
-                stop=stop,
-                stopping_criteria=llama_cpp.StoppingCriteriaList([between_tokens]),
-            )
+            response: Any
+            try:
+                response = llama.create_completion(
+                    prompt=prompt,
+                    grammar=grammar,
+                    max_tokens=request.max_tokens,
+                    temperature=request.temperature,
+                    seed=request.seed,
+                    stop=stop,
+                    stopping_criteria=llama_cpp.StoppingCriteriaList([between_tokens]),
+                )
+            except _Stop as cut:
+                if cut.why != "energy":
+                    raise
+                assert energy is not None
+                self._after_stop()
+                log.warning(
+                    "%s: a %s call stopped after %d tokens at the %.3f J its reservation paid"
+                    " for (used %.3f J): the joules-per-token figure of %s is too low;"
+                    " calibrate it again",
+                    self.name, request.kind, cut.tokens, energy.limit, energy.used, spec.model,
+                )  # fmt: skip
+                response = {
+                    "choices": [{"text": cut.text, "finish_reason": ENERGY_LIMIT}],
+                    "usage": {"prompt_tokens": prompt_ids, "completion_tokens": cut.tokens},
+                }
             text = response["choices"][0]["text"]
             ended = time.monotonic()
         finally:
@@ -744,6 +784,7 @@ class InferencePool:
             start_deadline=control.start_deadline,
             timeout=control.timeout,
             on_token=control.on_token,
+            energy_limit=control.energy_limit,
         )
         pool.submit(job)
         timer = None

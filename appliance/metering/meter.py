@@ -114,6 +114,15 @@ class Meter:
                 active = self._active.pop(call_id)
             return CallEnergy(math.fsum(active.parts), self.source.provenance, active.intervals)
 
+    def used(self, call_id: str) -> float:
+        """Close the current interval and return the joules charged to a running call so far
+        (the pool checks a call against the energy its reservation paid for)."""
+        with self._lock:
+            if call_id not in self._active:
+                raise KeyError(f"metering: call {call_id!r} has not begun (or already ended)")
+            self._sample()
+            return math.fsum(self._active[call_id].parts)
+
     def tick(self) -> None:
         """Take a periodic sample, closing the current interval."""
         with self._lock:

@@ -6,6 +6,7 @@ message that keeps re-enqueueing itself; settled spend equals the recorded calls
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from appliance.bus.core import Bus
-from appliance.bus.governor import Governor, GovernorConfig
+from appliance.bus.governor import Governor, GovernorConfig, prompt_token_bound
 from appliance.bus.runner import Runner, RunnerConfig
 from appliance.db.database import Database, Endpoints
 from appliance.db.listener import PgDoorbell
@@ -25,7 +26,7 @@ from appliance.db.spend_store import PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.budget import RunBudget
 from appliance.domain.cost import Pricing, Tariff
-from appliance.domain.inference import Tier
+from appliance.domain.inference import ENERGY_LIMIT, InferenceRequest, Tier
 from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
 from appliance.inference.pool import InferencePool
 from appliance.metering.meter import Meter
@@ -37,6 +38,15 @@ from tests.inference.rigs import DbChecks
 async def label(ctx: StageContext) -> StageResult:
     answer = await ctx.infer("classify", f"Ticket: {ctx.message.directive}\nLabel:", max_tokens=8)
     return ctx.finish({"text": answer.text, "tokens": answer.completion_tokens})
+
+
+# A prompt the model keeps writing after (max_tokens ends it, not the model).
+RAMBLE = "Here is a very long story about a dragon, told in great detail. Once upon a time,"
+
+
+async def story(ctx: StageContext) -> StageResult:
+    answer = await ctx.infer("extract", RAMBLE, max_tokens=64)
+    return ctx.finish({"text": answer.text, "finish": answer.finish_reason})
 
 
 async def again(ctx: StageContext) -> StageResult:
@@ -60,6 +70,7 @@ async def write_twice(ctx: StageContext) -> StageResult:
 
 PIPES = [
     Pipeline("label", (Stage("run", label, task_kind="classify", uses_model=True),)),
+    Pipeline("story", (Stage("run", story, task_kind="extract", uses_model=True),)),
     Pipeline(
         "tight",
         (Stage("run", label, task_kind="classify", uses_model=True),),
@@ -79,6 +90,7 @@ class Rig(DbChecks):
     spend: PgSpendStore
     db: Database
     pool: InferencePool
+    governor: Governor
 
     async def status_of(self, pipeline: str) -> list[str]:
         rows = await self.rows(
@@ -128,7 +140,7 @@ async def rig(fresh_db: Endpoints, request: pytest.FixtureRequest) -> AsyncItera
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
-        yield Rig(Bus(store), spend, db, pool)
+        yield Rig(Bus(store), spend, db, pool, governor)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
@@ -293,6 +305,42 @@ async def test_fan_out_cannot_escape_its_run_budget(rig: Rig) -> None:
     dead = [r for r in rows if r["s"] == "dead"]
     assert len(dead) == 4
     assert all(r["status_reason"].startswith("budget_exhausted: steps") for r in dead)
+
+
+async def test_a_call_priced_too_low_stops_within_its_hold(rig: Rig) -> None:
+    # What the story's call really uses, measured through the pool and its meter.
+    whole = await rig.pool.infer(
+        InferenceRequest("extract", prompt=RAMBLE, max_tokens=64), Tier.MECHANICAL
+    )
+    assert whole.finish_reason == "length" and whole.energy_joules is not None
+    # A joules-per-token figure a third of the truth: the hold pays for a third of the call.
+    tokens = prompt_token_bound(InferenceRequest("extract", prompt=RAMBLE)) + 64
+    pricing = Pricing(
+        tariff=Tariff(price_per_kwh=Decimal("1.0")),
+        default_joules_per_token=Decimal(str(whole.energy_joules / 3 / tokens)),
+        safety_factor=Decimal("1.0"),
+    )
+    rig.governor.config = dataclasses.replace(rig.governor.config, pricing=pricing)
+    # A cap with room for one such hold, no more.
+    reserved = pricing.worst_case(whole.model, tokens - 64, 64, 1024).amount
+    await rig.spend.set_cap("appliance", reserved)
+    mid = await submit(rig, "story", "s1")
+
+    async def done() -> bool:
+        return await rig.status_of("story") == ["done"]
+
+    await rig.wait(done, what="done")
+    (row,) = await rig.rows("SELECT result FROM agent_messages WHERE id = %(i)s", {"i": mid})
+    assert row["result"]["finish"] == ENERGY_LIMIT
+    assert row["result"]["text"] and whole.text.startswith(row["result"]["text"])
+    (entry,) = await rig.rows("SELECT status, reserved, amount, note FROM spend_ledger")
+    assert entry["status"] == "settled" and entry["reserved"] == reserved
+    assert 0 < entry["amount"] <= entry["reserved"]
+    assert entry["note"].startswith("generation stopped at the energy its hold paid for")
+    (month,) = await rig.rows("SELECT spent, reserved FROM spend_months WHERE scope = 'appliance'")
+    assert month["reserved"] == 0 and month["spent"] == entry["amount"] <= reserved
+    (call,) = await rig.rows("SELECT status, completion_tokens FROM inference_calls")
+    assert call["status"] == "ok" and 0 < call["completion_tokens"] < 64
 
 
 @pytest.mark.parametrize("rig", [{"queue": 1}], indirect=True)  # room for 2, 4 slots

@@ -17,6 +17,7 @@ import pytest
 from appliance import runtime
 from appliance.domain.errors import ConfigurationError
 from appliance.domain.inference import (
+    ENERGY_LIMIT,
     CallCancelled,
     CallControl,
     CapabilityUnavailable,
@@ -30,6 +31,8 @@ from appliance.domain.inference import (
 from appliance.domain.pipeline import parse_output
 from appliance.inference.cache import file_stamp
 from appliance.inference.pool import InferencePool
+from appliance.metering.meter import Meter
+from appliance.metering.sources import EstimateSource, ThreadCpu, process_cpu_seconds
 from appliance.pipelines.support import CLASSIFY_PROMPT, TicketLabel
 from appliance.settings import Settings
 from tests.inference.models import LOCK, spec
@@ -237,6 +240,37 @@ async def test_a_failing_call_leaves_the_pool_serving(mechanical1: InferencePool
     assert stats["rebuilds"] == 0
     assert stats["workers_alive"] == 1
     assert mechanical1.health()["mechanical"]["up"]
+
+
+async def test_a_call_stops_at_the_energy_its_reservation_paid_for() -> None:
+    # The estimate source on this machine (no counters here): real thread CPU time, labelled.
+    meter = Meter(
+        EstimateSource(10.0, 15.0, process_cpu_seconds, time.monotonic()),
+        ThreadCpu(),
+        {"cpu": 10.0},
+    )
+    pool = InferencePool([spec(Tier.MECHANICAL, workers=1, queue=4)], cores=2, meter=meter)
+    await pool.start()
+    try:
+        whole = await pool.infer(ramble(64), Tier.MECHANICAL)
+        assert whole.completion_tokens == 64 and whole.finish_reason == "length"
+        assert whole.energy_joules is not None and whole.energy_joules > 0
+        # A reservation that paid for a third of what the whole generation used (the joules
+        # per token behind it too low): the generation stops before its energy passes it.
+        limit = whole.energy_joules / 3
+        cut = await pool.infer(ramble(64), Tier.MECHANICAL, CallControl(energy_limit=limit))
+        assert cut.finish_reason == ENERGY_LIMIT
+        assert cut.energy_joules is not None and 0 < cut.energy_joules <= limit
+        assert 0 < cut.completion_tokens < 64
+        # What it wrote until then is kept (greedy: the same start as the whole answer).
+        assert cut.text and whole.text.startswith(cut.text), (cut.text, whole.text)
+        # The model's state was reset: the next call is whole and the same again.
+        again = await pool.infer(ramble(64), Tier.MECHANICAL, CallControl(energy_limit=1e9))
+        assert again.finish_reason == "length" and again.text == whole.text
+        stats = pool.stats()["mechanical"]
+        assert stats["requests_failed"] == 0 and stats["rebuilds"] == 0
+    finally:
+        await pool.close()
 
 
 async def test_stats_mirror_llama_server_names(mechanical1: InferencePool) -> None:
