@@ -17,6 +17,7 @@ its message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -104,12 +105,14 @@ class Governor:
         model: ModelInfo,
         wait_until: float | None = None,
         waiting: Callable[[bool], None] | None = None,
+        stopping: asyncio.Event | None = None,
     ) -> Admission:
         """Reserve the call's worst case against the monthly cap and the run budget, or raise
         BudgetHeld / BudgetBusy / BudgetExhausted. Nothing is held when it raises.
         `wait_until` (time.monotonic()): when the head of the cap's line stops waiting in place
         at the latest (its stage's deadline, less the time to persist a result). `waiting` is
-        told when the call starts and stops waiting for the cap's room."""
+        told when the call starts and stops waiting for the cap's room. `stopping` (the runner
+        stops) ends such a wait at once: the call is deferred, for another runner to take."""
         try:
             estimate = self.config.pricing.worst_case(
                 model.model, prompt_token_bound(request), request.max_tokens, model.n_ctx
@@ -119,7 +122,7 @@ class Governor:
         # The cap first: a wait in place for its room holds nothing of the run's budget, which
         # its other messages may need meanwhile.
         hold = await self._reserve(
-            message, estimate.amount, request.kind, route, model, wait_until, waiting
+            message, estimate.amount, request.kind, route, model, wait_until, waiting, stopping
         )
         if isinstance(hold, Refusal):
             if hold.exhausted:
@@ -159,6 +162,7 @@ class Governor:
         model: ModelInfo,
         wait_until: float | None,
         waiting: Callable[[bool], None] | None = None,
+        stopping: asyncio.Event | None = None,
     ) -> int | Refusal:
         """A hold against the cap, or the refusal. The head of the cap's waiting line asks
         again in place until it fits, up to busy_wait or `wait_until`: the room that frees is
@@ -189,15 +193,21 @@ class Governor:
             else:
                 every, ends = self.config.kept_back_retry, back_ends
             pause = every.total_seconds() * random.uniform(1.0, 2.0)
-            if time.monotonic() + pause > ends:
+            if time.monotonic() + pause > ends or (stopping is not None and stopping.is_set()):
                 return hold
             if waiting is not None:
                 waiting(True)
             try:
-                await asyncio.sleep(pause)
+                if stopping is None:
+                    await asyncio.sleep(pause)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stopping.wait(), pause)
             finally:
                 if waiting is not None:
                     waiting(False)
+            if stopping is not None and stopping.is_set():
+                return hold  # deferred, not admitted into a drain
 
     async def settle(
         self,

@@ -275,6 +275,7 @@ class Runner:
         self._claims_full = False  # the last claim that found work got all it asked for
         self._side_claim: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stopping_event = asyncio.Event()
         # Set by a local wake-up's timer (a retry's backoff or a deferral ended, a failed claim
         # is due again): the next wake-up asks every lane.
         self._local_woken = False
@@ -326,7 +327,7 @@ class Runner:
             stopped.cancel()
             if not serving.done():  # run() itself was cancelled
                 serving.cancel()
-            self._stopping = True
+            self._mark_stopping()
             # Every step that waits on the database is bounded: with the database down, a
             # stop must still end in about the drain timeout (a service manager kills a stop
             # that takes too long). What is not written lapses and is reclaimed.
@@ -382,8 +383,12 @@ class Runner:
 
     async def _stop_watch(self, stop: asyncio.Event) -> None:
         await stop.wait()
-        self._stopping = True
+        self._mark_stopping()
         self._wake.set()
+
+    def _mark_stopping(self) -> None:
+        self._stopping = True
+        self._stopping_event.set()  # ends the waits for the cap's room at once
 
     def _poll_timeout(self) -> float:
         base = self.config.poll_interval.total_seconds()
@@ -890,6 +895,7 @@ class Runner:
                 model=info,
                 wait_until=wait_until,
                 waiting=waiting,
+                stopping=self._stopping_event,
             )
             if control.start_deadline is not None:
                 # The wait for the cap's room came out of the stage's time.

@@ -182,3 +182,49 @@ async def test_the_wait_in_place_ends_with_the_stage_and_holds_nothing_of_the_ru
     with pytest.raises(BudgetBusy):
         await waits
     assert time.monotonic() - began < 2  # the stage's time, not busy_wait's 30 s
+
+
+async def test_the_wait_in_place_ends_when_the_runner_stops(
+    governor: Governor, db: Database
+) -> None:
+    # A stop must not wait out a wait for the cap's room (a drain would wait for it up to its
+    # timeout, then cancel the handler): the call is deferred at once, for another runner.
+    waiting = Governor(
+        governor.spend,
+        # Asks again every 2-4 s: the stop must end the pause itself, not the next ask.
+        GovernorConfig(PRICING, busy_wait=timedelta(seconds=30), busy_retry=timedelta(seconds=2)),
+        actor="test",
+    )
+    first = await claimed(db, "a")
+    await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
+    await admit(governor, first)
+    second = await claimed(db, "b")
+    found = route("classify", {Tier.MECHANICAL})
+    assert found is not None
+    stopping = asyncio.Event()
+    asked: list[bool] = []
+    waits = asyncio.create_task(
+        waiting.admit(
+            second,
+            budget=None,
+            verification=False,
+            request=REQUEST,
+            route=found,
+            model=MODEL,
+            waiting=asked.append,
+            stopping=stopping,
+        )
+    )
+    await asyncio.sleep(0.5)
+    assert asked and not waits.done()  # the head of the line, waiting in place
+    began = time.monotonic()
+    stopping.set()
+    with pytest.raises(BudgetBusy, match="deferred: money"):
+        await waits
+    assert time.monotonic() - began < 0.5  # at once, not after busy_wait's 30 s
+    assert asked[-1] is False
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute("SELECT count(*) AS n FROM spend_ledger WHERE status = 'reserved'")
+        ).fetchone()
+    assert row is not None and row["n"] == 1  # the first call's hold: the stopped one has none
