@@ -186,6 +186,7 @@ class Maintenance:
         self.archived = 0
         self.keys_purged = 0
         self.budgets_purged = 0
+        self.places_purged = 0
         self.history_pruned = 0
         self.analyzed = 0
 
@@ -323,12 +324,17 @@ class Maintenance:
         )
 
     async def purge_run_budgets(self) -> None:
-        """Delete the budgets of runs idle past the horizon, in bounded batches likewise."""
+        """Delete the budgets of runs idle past the horizon, and the cap's waiting-line places
+        unasked-for for an hour, in bounded batches likewise."""
         assert self.spend is not None
         spend = self.spend
         self.budgets_purged += await self._upkeep_round(
             lambda: spend.purge_run_budgets(idle=self.run_budget_idle, batch=self.archive_batch),
             "purging idle run budgets",
+        )
+        # The cap's waiting line: places kept an hour past their last ask go too.
+        self.places_purged += await self._upkeep_round(
+            lambda: spend.purge_waiters(batch=self.archive_batch), "purging old waiting places"
         )
 
     async def prune_history(self) -> None:

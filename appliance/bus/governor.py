@@ -21,7 +21,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -119,26 +119,41 @@ class Governor:
             )
         except ConfigurationError as exc:
             raise BudgetHeld(f"held_budget: money: {exc}") from exc
+        run_ask: dict[str, object] | None = None
+        detail = ""
+        before_wait: Callable[[], Awaitable[None]] | None = None
+        if budget is not None:
+            run_ask = {"tokens": estimate.tokens, "calls": 1, "money": estimate.amount}
+            detail = f"a {request.kind} call asked {run_ask}"
+            ask = run_ask
+
+            async def run_refuses() -> None:
+                # A call its run's budget will refuse must not wait for the cap's room (at the
+                # head of the line, it would keep that room from others meanwhile).
+                exhausted = await self.spend.run_check(
+                    tenant=message.tenant, source=message.source, source_id=message.source_id,
+                    limits=budget.limits(), reserve=budget.verification_reserve,
+                    verification=verification, ask=ask, now=None,
+                )  # fmt: skip
+                if exhausted is not None:
+                    raise BudgetExhausted(exhausted, detail)
+
+            before_wait = run_refuses
         # The cap first: a wait in place for its room holds nothing of the run's budget, which
         # its other messages may need meanwhile.
         hold = await self._reserve(
-            message, estimate.amount, request.kind, route, model, wait_until, waiting, stopping
-        )
+            message, estimate.amount, request.kind, route, model, wait_until, waiting, stopping,
+            before_wait,
+        )  # fmt: skip
         if isinstance(hold, Refusal):
             if hold.exhausted:
                 raise BudgetHeld(hold.reason())
             # Room is only held by calls in flight; they settle at or below their holds.
             raise BudgetBusy(hold.reason().replace("held_budget:", "deferred:", 1))
-        run_ask: dict[str, object] | None = None
-        if budget is not None:
-            run_ask = {"tokens": estimate.tokens, "calls": 1, "money": estimate.amount}
+        if budget is not None and run_ask is not None:
             try:
                 await self.reserve_steps(
-                    message,
-                    budget,
-                    verification=verification,
-                    ask=run_ask,
-                    detail=f"a {request.kind} call asked {run_ask}",
+                    message, budget, verification=verification, ask=run_ask, detail=detail
                 )
             except BaseException:
                 await self.spend.settle(
@@ -163,6 +178,7 @@ class Governor:
         wait_until: float | None,
         waiting: Callable[[bool], None] | None = None,
         stopping: asyncio.Event | None = None,
+        before_wait: Callable[[], Awaitable[None]] | None = None,
     ) -> int | Refusal:
         """A hold against the cap, or the refusal. The head of the cap's waiting line asks
         again in place until it fits, up to busy_wait or `wait_until`: the room that frees is
@@ -195,6 +211,8 @@ class Governor:
             pause = every.total_seconds() * random.uniform(1.0, 2.0)
             if time.monotonic() + pause > ends or (stopping is not None and stopping.is_set()):
                 return hold
+            if before_wait is not None:
+                await before_wait()  # raises when the call must not wait
             if waiting is not None:
                 waiting(True)
             try:

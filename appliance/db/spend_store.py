@@ -247,6 +247,32 @@ class PgSpendStore:
             row = await (await conn.execute(q("run_budget_reserve"), params)).fetchone()
         return None if row is None or row["exhausted"] is None else str(row["exhausted"])
 
+    async def run_check(
+        self,
+        *,
+        tenant: str,
+        source: str,
+        source_id: str,
+        limits: dict[str, Any],
+        reserve: Decimal,
+        verification: bool,
+        ask: dict[str, Any],
+        now: datetime | None = None,
+    ) -> str | None:
+        params = {
+            "tenant": tenant,
+            "source": source,
+            "source_id": source_id,
+            "limits": Jsonb(limits),
+            "reserve": reserve,
+            "verification": verification,
+            "ask": Jsonb(_json_numbers(ask)),
+            "now": now,
+        }
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("run_budget_check"), params)).fetchone()
+        return None if row is None or row["exhausted"] is None else str(row["exhausted"])
+
     async def run_adjust(
         self, *, tenant: str, source: str, source_id: str, delta: dict[str, Any]
     ) -> None:
@@ -267,6 +293,14 @@ class PgSpendStore:
         params = {"idle": idle, "batch": batch, "now": now}
         async with self.db.system_conn() as conn:
             row = await (await conn.execute(q("run_budgets_purge"), params)).fetchone()
+        return int(row["purged"]) if row else 0
+
+    async def purge_waiters(self, *, batch: int = 1000, now: datetime | None = None) -> int:
+        """Delete one bounded batch of waiting-line places unasked-for for an hour; how many.
+        Refusals delete them too, 100 at a time; without refusals they would stay."""
+        params = {"batch": batch, "now": now}
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("spend_waiters_purge"), params)).fetchone()
         return int(row["purged"]) if row else 0
 
     async def run_budget(self, tenant: str, source: str, source_id: str) -> dict[str, Any] | None:

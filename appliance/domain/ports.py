@@ -322,6 +322,21 @@ class SpendStore(Protocol):
         now: datetime | None,
     ) -> str | None: ...
 
+    async def run_check(
+        self,
+        *,
+        tenant: str,
+        source: str,
+        source_id: str,
+        limits: dict[str, Any],
+        reserve: Decimal,
+        verification: bool,
+        ask: dict[str, Any],
+        now: datetime | None,
+    ) -> str | None:
+        """Read only: the dimension run_reserve would find exhausted for `ask` (None: fits)."""
+        ...
+
     async def run_adjust(
         self, *, tenant: str, source: str, source_id: str, delta: dict[str, Any]
     ) -> None: ...

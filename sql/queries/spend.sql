@@ -145,6 +145,30 @@ SELECT run_budget_reserve(%(tenant)s, %(source)s, %(source_id)s, %(pipeline)s, %
                           %(reserve)s::numeric, %(verification)s, %(ask)s,
                           %(now)s::timestamptz) AS exhausted;
 
+-- name: run_budget_check :one
+-- Read only: the dimension a reservation of `ask` would find exhausted now (NULL: it would
+-- fit), by run_budget_reserve's rules, over the run's row or, before its first reservation,
+-- the limits it would start with.
+SELECT CASE
+           WHEN b.limits ? 'wall_seconds'
+                AND extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - b.started_at)
+                    > (b.limits ->> 'wall_seconds')::numeric THEN 'wall_time'
+           ELSE (SELECT k.d FROM jsonb_object_keys(%(ask)s::jsonb) AS k(d)
+                 WHERE b.limits ? k.d
+                   AND coalesce((b.used ->> k.d)::numeric, 0) + (%(ask)s::jsonb ->> k.d)::numeric
+                       > (b.limits ->> k.d)::numeric
+                         * CASE WHEN %(verification)s THEN 1 ELSE 1 - b.verification_reserve END
+                 ORDER BY k.d LIMIT 1)
+       END AS exhausted
+FROM (SELECT r.limits, r.used, r.started_at, r.verification_reserve, 0 AS rank
+      FROM run_budgets r
+      WHERE r.tenant = %(tenant)s AND r.source = %(source)s AND r.source_id = %(source_id)s
+      UNION ALL
+      SELECT %(limits)s::jsonb, '{}'::jsonb, coalesce(%(now)s::timestamptz, now()),
+             %(reserve)s::numeric, 1) AS b
+ORDER BY b.rank
+LIMIT 1;
+
 -- name: run_budget_adjust :exec
 -- Give back what a reservation did not use.
 SELECT run_budget_adjust(%(tenant)s, %(source)s, %(source_id)s, %(delta)s);
@@ -153,6 +177,21 @@ SELECT run_budget_adjust(%(tenant)s, %(source)s, %(source_id)s, %(delta)s);
 -- Delete one bounded batch of budgets of runs idle longer than `idle` (0 while another runner
 -- purges).
 SELECT purge_run_budgets(%(now)s::timestamptz, %(idle)s::interval, %(batch)s) AS purged;
+
+-- name: spend_waiters_purge :one
+-- Delete one bounded batch of the cap's waiting-line places nobody asked for in the hour a
+-- place is kept (spend_reserve deletes them too, but only when some call is refused).
+WITH gone AS (
+    DELETE FROM spend_waiters w
+    WHERE w.ctid = ANY (ARRAY(SELECT x.ctid FROM spend_waiters x
+                              WHERE x.seen_at < coalesce(%(now)s::timestamptz, now())
+                                                - interval '1 hour'
+                              ORDER BY x.seen_at
+                              LIMIT %(batch)s
+                              FOR UPDATE SKIP LOCKED))
+    RETURNING 1
+)
+SELECT count(*) AS purged FROM gone;
 
 -- name: run_budget_get :one
 -- One run's budget: limits, use and the dimension that ran out, if any.

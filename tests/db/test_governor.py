@@ -15,7 +15,7 @@ from appliance.db.database import Database
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.spend_store import PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
-from appliance.domain.budget import BudgetBusy, BudgetHeld, RunBudget
+from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld, RunBudget
 from appliance.domain.cost import Pricing, Tariff
 from appliance.domain.envelope import Message
 from appliance.domain.inference import InferenceRequest, ModelInfo, Tier, route
@@ -228,3 +228,66 @@ async def test_the_wait_in_place_ends_when_the_runner_stops(
             await conn.execute("SELECT count(*) AS n FROM spend_ledger WHERE status = 'reserved'")
         ).fetchone()
     assert row is not None and row["n"] == 1  # the first call's hold: the stopped one has none
+
+
+async def test_a_call_its_run_budget_refuses_does_not_wait_for_the_caps_room(
+    governor: Governor, db: Database
+) -> None:
+    # At the head of the cap's line, it would keep the room that frees for itself, only to be
+    # refused by its run's budget once admitted. It ends at once, holding nothing.
+    waiting = Governor(
+        governor.spend,
+        GovernorConfig(PRICING, busy_wait=timedelta(seconds=30), busy_retry=timedelta(seconds=1)),
+        actor="test",
+    )
+    first = await claimed(db, "a")
+    await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
+    await admit(governor, first)
+    second = await claimed(db, "b")
+    budget = RunBudget(calls=1, verification_reserve=Decimal(0))
+    # The run (source t, id b) has already made its one call.
+    assert (
+        await governor.spend.run_reserve(
+            tenant="acme",
+            source="t",
+            source_id="b",
+            pipeline="p",
+            limits=budget.limits(),
+            reserve=budget.verification_reserve,
+            verification=False,
+            ask={"calls": 1},
+            now=None,
+        )
+        is None
+    )
+    found = route("classify", {Tier.MECHANICAL})
+    assert found is not None
+    asked: list[bool] = []
+    began = time.monotonic()
+    with pytest.raises(BudgetExhausted, match="calls"):
+        await waiting.admit(
+            second, budget=budget, verification=False, request=REQUEST, route=found, model=MODEL,
+            waiting=asked.append,
+        )  # fmt: skip
+    assert time.monotonic() - began < 1 and asked == []  # it never waited
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute("SELECT count(*) AS n FROM spend_ledger WHERE status = 'reserved'")
+        ).fetchone()
+    assert row is not None and row["n"] == 1  # the first call's hold only
+    # With its run's budget free, the same call waits in place as before.
+    third = await claimed(db, "c")
+    waits = asyncio.create_task(
+        waiting.admit(
+            third,
+            budget=budget,
+            verification=False,
+            request=REQUEST,
+            route=found,
+            model=MODEL,
+            waiting=asked.append,
+        )
+    )
+    await asyncio.sleep(0.3)
+    assert asked == [True] and not waits.done()
+    waits.cancel()
