@@ -32,7 +32,15 @@ from appliance.domain.errors import (
 )
 from appliance.domain.ports import BusStatus
 from appliance.pipelines.support import SAMPLE_TICKETS
-from appliance.runtime import endpoints, local_cluster, pg_tool, run_runner, services
+from appliance.runtime import (
+    Services,
+    endpoints,
+    load_pipelines,
+    local_cluster,
+    pg_tool,
+    run_runner,
+    services,
+)
 from appliance.settings import Settings, settings_error_text
 
 
@@ -144,11 +152,28 @@ async def cmd_tenant(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _declare_pipeline(settings: Settings, svc: Services, name: str) -> None:
+    """Write the stage graph of a pipeline this appliance declares when no runner has yet, so
+    that work submitted before the first runner started gets its stage's lane, tier and
+    attempts (not the bus defaults). A graph already written is left as the runner wrote it."""
+    if await svc.store.pipeline_known(name):
+        return
+    try:
+        pipelines, _ = load_pipelines(settings)
+    except ConfigurationError as exc:
+        print(f"warning: the declared pipelines cannot be loaded ({exc})", file=sys.stderr)
+        return
+    declared = [p for p in pipelines if p.name == name]
+    if declared:
+        await svc.store.sync_pipelines(declared)
+
+
 async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
     context = _read_context(args.context, settings.bus.context_max_bytes)
     deadline = _parse_time("deadline", args.deadline)
     not_before = _parse_time("not_before", args.not_before)
     async with services(settings) as svc:
+        await _declare_pipeline(settings, svc, args.pipeline)
         result = await svc.bus.enqueue(
             tenant=args.tenant,
             pipeline=args.pipeline,

@@ -198,6 +198,12 @@ class PgRunnerStore(PgMessageStore):
 
     # -- stage graphs ---------------------------------------------------------------------------
 
+    async def pipeline_known(self, name: str) -> bool:
+        """Whether a pipeline's stage graph is in the database (a runner synced it)."""
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("pipeline_known"), {"pipeline": name})).fetchone()
+        return bool(row and row["known"])
+
     async def sync_pipelines(self, pipelines: Sequence[Pipeline]) -> None:
         """Write each declared pipeline's stage graph, replacing what was there (one tx each);
         the messages of a stage whose model tier changed get the new one, unless finished."""

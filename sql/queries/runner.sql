@@ -252,6 +252,10 @@ SET lane = excluded.lane, task_kind = excluded.task_kind, tier = excluded.tier,
     max_attempts = excluded.max_attempts, updated_at = excluded.updated_at
 RETURNING (SELECT b.tier FROM before b) IS DISTINCT FROM %(tier)s::text AS retier;
 
+-- name: pipeline_known :one
+-- Whether some runner has written a pipeline's stage graph.
+SELECT EXISTS (SELECT FROM pipeline_stages s WHERE s.pipeline = %(pipeline)s) AS known;
+
 -- name: pipeline_routes_clear :exec
 -- Forget a pipeline's routes before writing the declared ones.
 DELETE FROM stage_routes WHERE pipeline = %(pipeline)s;

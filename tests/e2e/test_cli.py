@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from appliance.db.database import Endpoints
@@ -185,3 +186,25 @@ def test_an_unreachable_or_misnamed_database_is_one_line_not_a_trace(
     assert proc.returncode == 2
     assert "db.port (environment variable APPLIANCE_DB__PORT)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_work_submitted_before_any_runner_gets_its_stages_lane_and_tier(
+    env: dict[str, str], fresh_db: Endpoints
+) -> None:
+    # No runner has written the pipelines' stage graphs yet: submit writes the declared one, so
+    # the message is not given the bus defaults (interactive, no tier) for good.
+    run(env, "tenant", "add", "acme")
+    for pipeline, stage in (("demo", "enrich"), ("support", "classify")):
+        run(env, "submit", "--tenant", "acme", "--pipeline", pipeline, "--stage", stage,
+            "--source", "cli", "--source-id", "1", "--directive", "d")  # fmt: skip
+    status = json.loads(run(env, "status", "--json").stdout)
+    assert status["lanes"]["batch"]["pending"] == 1  # demo.enrich is a batch stage
+    with psycopg.connect(fresh_db.admin) as conn:
+        rows = conn.execute(
+            "SELECT pipeline, stage, lane::text, tier FROM appliance.agent_messages ORDER BY id"
+        ).fetchall()
+    assert rows == [("demo", "enrich", "batch", None), ("support", "classify", "interactive",
+                                                        "mechanical")]  # fmt: skip
+    # A pipeline nobody declares still takes work, with the defaults.
+    run(env, "submit", "--tenant", "acme", "--pipeline", "elsewhere", "--stage", "s",
+        "--source", "cli", "--source-id", "1", "--directive", "d")  # fmt: skip
