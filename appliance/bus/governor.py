@@ -135,8 +135,19 @@ class Governor:
                     limits=budget.limits(), reserve=budget.verification_reserve,
                     verification=verification, ask=ask, now=None,
                 )  # fmt: skip
-                if exhausted is not None:
-                    raise BudgetExhausted(exhausted, detail)
+                if exhausted is None:
+                    return
+                # Refused: the reservation itself refuses too, and records it on the run (its
+                # exhausted dimension, its last use), as a refusal after the wait would have.
+                await self.reserve_steps(
+                    message, budget, verification=verification, ask=ask, detail=detail
+                )
+                # It fits after all (the run was given some back meanwhile): give it back, and
+                # wait as any call may.
+                await self.spend.run_adjust(
+                    tenant=message.tenant, source=message.source, source_id=message.source_id,
+                    delta={k: -v for k, v in ask.items() if isinstance(v, (int, Decimal))},
+                )  # fmt: skip
 
             before_wait = run_refuses
         # The cap first: a wait in place for its room holds nothing of the run's budget, which

@@ -911,7 +911,15 @@ class Runner:
         try:
             result = await self.inference.infer(request, found.tier, control)
             energy, provenance = result.energy_joules, result.energy_provenance
-            data = parse(result.text) if parse is not None else None
+            try:
+                data = parse(result.text) if parse is not None else None
+            except OutputInvalid as exc:
+                if result.finish_reason != ENERGY_LIMIT:
+                    raise
+                raise OutputInvalid(
+                    f"{exc} (the answer was cut at the energy its hold paid for: the model's "
+                    "joules-per-token figure is too low; run `appliance energy calibrate`)"
+                ) from exc
             return dataclasses.replace(result, route=found, data=data)
         except BaseException as exc:
             status, error = _call_status(exc)

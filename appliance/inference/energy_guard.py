@@ -5,9 +5,9 @@ dearest price of the day. The estimate behind it (joules per token, from calibra
 wrong: a stale figure, a slower machine, a thermally throttled CPU. Without a stop, such a call
 would settle above its hold, and the month's spend could pass the cap by the difference. The
 guard reads the call's metered energy between tokens and stops the generation while what is
-used, plus a margin for the stretch to the next check and the call's end, still fits.
+used, plus a margin for the tokens until the next reading, still fits.
 
-Pure logic: the pool passes it a reading function and the time.
+Pure logic: the pool passes it a reading function, the time and the tokens generated so far.
 """
 
 from __future__ import annotations
@@ -17,22 +17,32 @@ from collections.abc import Callable
 
 log = logging.getLogger("appliance.inference")
 
-# A reading samples the meter (every registered thread's CPU time, the energy counters):
-# about a millisecond, so not after every token of a fast model.
+# A reading samples the meter (every registered thread's CPU time, the energy counters): about
+# 0.1 ms, so not after every token of a fast model.
 CHECK_EVERY = 0.05
-# The margin kept is this many times the energy of the longest stretch between two checks.
-MARGIN_STRETCHES = 2.0
+# The margin kept is this many times the energy the tokens until the next reading are expected
+# to use (the largest energy per token seen, times the most tokens that fit before it).
+MARGIN = 2.0
 
 
 class EnergyGuard:
     """Tells a generation to stop before its metered energy passes `limit` joules.
 
-    `read()` returns the joules charged to the call so far. Checked at most every `every`
-    seconds; it says stop once the energy used plus MARGIN_STRETCHES stretches would reach the
-    limit. A stretch is the most energy seen between two checks, and at least the call's
-    average power so far times `every` (the first check has no stretch of its own yet: the
-    prompt's evaluation sets the pace). A reading that fails ends the checks (the call is then
-    charged whatever the meter says at its end, or its whole reservation).
+    Asked between tokens (`stop(now, tokens)`, `tokens` generated so far, each one evaluated);
+    `read()` returns the joules charged to the call so far.
+
+    - The first ask follows the prompt's evaluation. Evaluating the next token is a forward pass
+      over one token, which costs no more than the pass over the prompt just measured: the
+      guard stops if that much more would reach the limit, and reads again at the next token.
+    - Later, it reads at most every `every` seconds, and stops once the energy used plus MARGIN
+      times the expected cost of the tokens before the next reading would reach the limit: the
+      largest energy per token seen, times one token plus as many as the fastest stretch seen
+      generates in `every` seconds. Slow tokens and fast ones are both covered.
+
+    A reading that fails ends the checks (the call is then charged whatever the meter says at
+    its end, or its whole reservation). The guard works at its meter's resolution: a prompt
+    that evaluates faster than the meter ticks reads as 0 J, and then its first token is
+    unguarded.
     """
 
     def __init__(
@@ -42,16 +52,16 @@ class EnergyGuard:
             raise ValueError(f"energy guard: the limit must be > 0 J, not {limit}")
         self.limit = limit
         self._read = read
-        self._started = started
         self._every = every
-        self._next = started  # the first token after the prompt is checked
-        self._last: tuple[float, float] | None = None  # (time, joules) of the last reading
-        self._stretch = 0.0
+        self._next = started
+        self._last: tuple[float, float, int] | None = None  # (time, joules, tokens) last read
+        self._per_token = 0.0  # the most joules per token seen between two readings
+        self._rate = 0.0  # the most tokens per second seen between two readings
         self.used = 0.0
         self.stopped = False
         self._broken = False
 
-    def stop(self, now: float) -> bool:
+    def stop(self, now: float, tokens: int) -> bool:
         """True when the generation must stop now (and at every later ask)."""
         if self.stopped:
             return True
@@ -63,13 +73,20 @@ class EnergyGuard:
             log.exception("energy guard: the meter could not be read; the call runs unchecked")
             self._broken = True
             return False
-        if self._last is not None:
-            self._stretch = max(self._stretch, used - self._last[1])
-        elapsed = now - self._started
-        pace = used / elapsed * self._every if elapsed > 0 else 0.0
-        self._last = (now, used)
+        if self._last is None:
+            # After the prompt: the next token's pass costs at most what the prompt's did.
+            ahead = used
+            self._next = now  # read again at the next token: one token's cost, measured
+        else:
+            at, before, counted = self._last
+            if tokens > counted:
+                self._per_token = max(self._per_token, (used - before) / (tokens - counted))
+                if now > at:
+                    self._rate = max(self._rate, (tokens - counted) / (now - at))
+            ahead = MARGIN * self._per_token * (1 + self._rate * self._every)
+            self._next = now + self._every
+        self._last = (now, used, tokens)
         self.used = used
-        self._next = now + self._every
-        if used + MARGIN_STRETCHES * max(self._stretch, pace) >= self.limit:
+        if used + ahead >= self.limit:
             self.stopped = True
         return self.stopped

@@ -377,11 +377,16 @@ class _Worker(threading.Thread):
                 now = time.monotonic()
                 if first is None:
                     first, prompt_ids = now, len(ids)
+                elif len(ids) - prompt_ids < generated:
+                    # The library asks once more after its loop ended (max_tokens, a stop
+                    # string, the end of generation): its last token was never evaluated. The
+                    # generation is over; nothing to stop or count.
+                    return False
                 if job.cancel.is_set():
                     raise _Stop("cancelled", generated)
                 if stop_at is not None and now > stop_at:
                     raise _Stop("timeout", generated)
-                if energy is not None and energy.stop(now):
+                if energy is not None and energy.stop(now, generated):
                     # Out of the energy the reservation paid for: keep what was written so far.
                     out = llama.detokenize(
                         list(ids[prompt_ids:]), prev_tokens=list(ids[:prompt_ids])

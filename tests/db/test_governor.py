@@ -270,6 +270,8 @@ async def test_a_call_its_run_budget_refuses_does_not_wait_for_the_caps_room(
             waiting=asked.append,
         )  # fmt: skip
     assert time.monotonic() - began < 1 and asked == []  # it never waited
+    run = await governor.spend.run_budget("acme", "t", "b")  # type: ignore[attr-defined]
+    assert run["exhausted"] == "calls" and run["used"] == {"calls": 1}  # recorded, as ever
     async with db.system_conn() as conn:
         row = await (
             await conn.execute("SELECT count(*) AS n FROM spend_ledger WHERE status = 'reserved'")
@@ -290,4 +292,45 @@ async def test_a_call_its_run_budget_refuses_does_not_wait_for_the_caps_room(
     )
     await asyncio.sleep(0.3)
     assert asked == [True] and not waits.done()
+    waits.cancel()
+
+
+async def test_a_stale_refusal_of_the_run_check_gives_its_reservation_back_and_waits(
+    governor: Governor, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The check read the run as exhausted, but by the reservation it fits (a sibling call gave
+    # some back in between): the reservation is given back, and the call waits as any may.
+    waiting = Governor(
+        governor.spend,
+        GovernorConfig(PRICING, busy_wait=timedelta(seconds=30), busy_retry=timedelta(seconds=1)),
+        actor="test",
+    )
+    first = await claimed(db, "a")
+    await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
+    await admit(governor, first)
+    second = await claimed(db, "b")
+
+    async def stale(**_: object) -> str:
+        return "calls"
+
+    monkeypatch.setattr(governor.spend, "run_check", stale)
+    found = route("classify", {Tier.MECHANICAL})
+    assert found is not None
+    asked: list[bool] = []
+    waits = asyncio.create_task(
+        waiting.admit(
+            second,
+            budget=RunBudget(calls=1, verification_reserve=Decimal(0)),
+            verification=False,
+            request=REQUEST,
+            route=found,
+            model=MODEL,
+            waiting=asked.append,
+        )
+    )
+    await asyncio.sleep(0.3)
+    assert asked == [True] and not waits.done()
+    run = await governor.spend.run_budget("acme", "t", "b")  # type: ignore[attr-defined]
+    assert run["exhausted"] is None
+    assert all(Decimal(str(v)) == 0 for v in run["used"].values()), run["used"]
     waits.cancel()

@@ -514,9 +514,10 @@ async def test_expired_idempotency_keys_are_purged_in_batches(
 
 
 async def test_maintenance_rounds_drain_in_bounded_batches(rstore: PgRunnerStore) -> None:
-    """One maintenance round archives, and purges expired keys and idle run budgets, batch
-    after batch until a short batch (or its time is up), and counts every row: batches of 2
-    here, 13 of them, past the ten a round that once capped the rate the tables drain at."""
+    """One maintenance round archives, and purges expired keys, idle run budgets and old
+    waiting places, batch after batch until a short batch (or its time is up), and counts
+    every row: batches of 2 here, 13 of them, past the ten a round that once capped the rate
+    the tables drain at."""
     bus = Bus(rstore, BusConfig(idempotency_retention=timedelta(days=1)))
     await bus.enqueue_many([req(bus, f"r{i}", stage="c") for i in range(25)], now=T0)
     done = await claim(rstore, limit=25)
@@ -527,6 +528,14 @@ async def test_maintenance_rounds_drain_in_bounded_batches(rstore: PgRunnerStore
             tenant="acme", source="t", source_id=f"r{i}", pipeline="chain", limits={},
             reserve=Decimal(0), verification=False, ask={"steps": 1}, now=T0,
         )  # fmt: skip
+    async with rstore.db.system_conn() as conn:
+        # Five places in the cap's waiting line nobody asked for since T0.
+        for i in range(5):
+            await conn.execute(
+                "INSERT INTO spend_waiters (month, scope, message_id, lane, amount, since,"
+                " seen_at) VALUES ('2031-01-01', 'appliance', %s, 'batch', 1, %s, %s)",
+                (done[i].id, T0, T0),
+            )
     maintenance = Maintenance(
         bus, rstore, archive_batch=2, spend=spend, run_budget_idle=timedelta(days=1)
     )
@@ -538,6 +547,7 @@ async def test_maintenance_rounds_drain_in_bounded_batches(rstore: PgRunnerStore
         25,
         25,
     )
+    assert maintenance.places_purged == 5  # an hour past their last ask, with the budgets
 
 
 async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoints) -> None:

@@ -49,6 +49,12 @@ async def story(ctx: StageContext) -> StageResult:
     return ctx.finish({"text": answer.text, "finish": answer.finish_reason})
 
 
+async def story_json(ctx: StageContext) -> StageResult:
+    schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    answer = await ctx.infer("extract", RAMBLE, schema=schema, max_tokens=64)
+    return ctx.finish({"data": answer.data})
+
+
 async def again(ctx: StageContext) -> StageResult:
     # Re-enqueues itself forever: only the hop limit (or the cap) stops it.
     ctx.spawn("again", f"hop-{ctx.message.hops + 1}", context={"n": ctx.message.hops + 1})
@@ -71,6 +77,10 @@ async def write_twice(ctx: StageContext) -> StageResult:
 PIPES = [
     Pipeline("label", (Stage("run", label, task_kind="classify", uses_model=True),)),
     Pipeline("story", (Stage("run", story, task_kind="extract", uses_model=True),)),
+    Pipeline(
+        "story_json",
+        (Stage("run", story_json, task_kind="extract", uses_model=True, max_attempts=1),),
+    ),
     Pipeline(
         "tight",
         (Stage("run", label, task_kind="classify", uses_model=True),),
@@ -341,6 +351,17 @@ async def test_a_call_priced_too_low_stops_within_its_hold(rig: Rig) -> None:
     assert month["reserved"] == 0 and month["spent"] == entry["amount"] <= reserved
     (call,) = await rig.rows("SELECT status, completion_tokens FROM inference_calls")
     assert call["status"] == "ok" and 0 < call["completion_tokens"] < 64
+    # An answer cut short cannot match a schema: its failure says why, and what to do.
+    await rig.spend.set_cap("appliance", reserved * 10)
+    jid = await submit(rig, "story_json", "s2")
+
+    async def dead() -> bool:
+        return await rig.status_of("story_json") == ["dead"]
+
+    await rig.wait(dead, what="dead")
+    (row,) = await rig.rows("SELECT error FROM agent_messages WHERE id = %(i)s", {"i": jid})
+    assert "does not match the schema" in row["error"], row["error"]
+    assert "cut at the energy its hold paid for" in row["error"], row["error"]
 
 
 @pytest.mark.parametrize("rig", [{"queue": 1}], indirect=True)  # room for 2, 4 slots

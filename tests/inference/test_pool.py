@@ -8,10 +8,14 @@ import dataclasses
 import itertools
 import json
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import llama_cpp
 import pytest
 
 from appliance import runtime
@@ -29,6 +33,7 @@ from appliance.domain.inference import (
     Tier,
 )
 from appliance.domain.pipeline import parse_output
+from appliance.inference import pool as pool_module
 from appliance.inference.cache import file_stamp
 from appliance.inference.pool import InferencePool
 from appliance.metering.meter import Meter
@@ -85,8 +90,10 @@ async def mechanical1() -> AsyncIterator[InferencePool]:
         await pool.close()
 
 
-def ramble(max_tokens: int = 48) -> InferenceRequest:
-    return InferenceRequest("extract", prompt=RAMBLE, max_tokens=max_tokens, temperature=0.0)
+def ramble(max_tokens: int = 48, stop: tuple[str, ...] = ()) -> InferenceRequest:
+    return InferenceRequest(
+        "extract", prompt=RAMBLE, max_tokens=max_tokens, temperature=0.0, stop=stop
+    )
 
 
 async def test_two_workers_serve_in_parallel_and_a_third_waits(
@@ -269,6 +276,84 @@ async def test_a_call_stops_at_the_energy_its_reservation_paid_for() -> None:
         assert again.finish_reason == "length" and again.text == whole.text
         stats = pool.stats()["mechanical"]
         assert stats["requests_failed"] == 0 and stats["rebuilds"] == 0
+    finally:
+        await pool.close()
+
+
+@dataclass
+class _Figure:
+    joules: float
+    provenance: str = "estimated"
+
+
+class ClockMeter:
+    """A meter charging `watts` times the seconds since a call began; `used` may fail."""
+
+    def __init__(self, watts: float, *, used_fails: bool = False) -> None:
+        self.watts, self.used_fails = watts, used_fails
+        self.began: dict[str, float] = {}
+
+    def begin(self, call_id: str, native_id: int, threads: int = 1) -> None:
+        self.began[call_id] = time.monotonic()
+
+    def used(self, call_id: str) -> float:
+        if self.used_fails:
+            raise OSError("counter gone")
+        return self.watts * (time.monotonic() - self.began[call_id])
+
+    def end(self, call_id: str) -> _Figure:
+        return _Figure(self.watts * (time.monotonic() - self.began.pop(call_id)))
+
+
+async def test_a_generation_that_ended_is_never_cut_after_the_fact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # llama-cpp-python asks its stopping criteria once more after its loop has ended (at
+    # max_tokens, a stop string, the end of generation), with the last token not evaluated.
+    # A guard that would trip just then must not turn a whole answer into a cut one.
+    ended = threading.Event()
+    generate = llama_cpp.Llama.generate
+
+    def marked(self: llama_cpp.Llama, *args: Any, **kwargs: Any) -> Any:
+        try:
+            yield from generate(self, *args, **kwargs)
+        finally:
+            ended.set()  # the completion's loop is over
+
+    class TripsLate:
+        def __init__(self, limit: float, *_: object) -> None:
+            self.limit, self.used = limit, 0.0
+
+        def stop(self, now: float, tokens: int) -> bool:
+            return ended.is_set()
+
+    monkeypatch.setattr(llama_cpp.Llama, "generate", marked)
+    monkeypatch.setattr(pool_module, "EnergyGuard", TripsLate)
+    pool = InferencePool([spec(Tier.MECHANICAL)], cores=2, meter=ClockMeter(1.0))
+    await pool.start()
+    try:
+        for request in (ramble(8), ramble(8, stop=("dragon",))):
+            whole = await pool.infer(request, Tier.MECHANICAL)
+            ended.clear()
+            late = await pool.infer(request, Tier.MECHANICAL, CallControl(energy_limit=1e6))
+            ended.clear()
+            assert whole.finish_reason in {"length", "stop"}
+            assert (late.finish_reason, late.text, late.completion_tokens) == (
+                whole.finish_reason, whole.text, whole.completion_tokens,
+            )  # fmt: skip
+    finally:
+        await pool.close()
+
+
+async def test_a_meter_that_cannot_be_read_mid_call_leaves_the_call_whole() -> None:
+    pool = InferencePool([spec(Tier.MECHANICAL)], cores=2, meter=ClockMeter(1.0, used_fails=True))
+    await pool.start()
+    try:
+        result = await pool.infer(ramble(16), Tier.MECHANICAL, CallControl(energy_limit=1e-6))
+        # Unchecked (and logged), not failed: its energy at the end still comes back, and the
+        # governor notes a cost above the hold.
+        assert result.finish_reason == "length" and result.completion_tokens == 16
+        assert result.energy_joules is not None and result.energy_joules > 1e-6
     finally:
         await pool.close()
 
