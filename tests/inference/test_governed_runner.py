@@ -45,7 +45,7 @@ RAMBLE = "Here is a very long story about a dragon, told in great detail. Once u
 
 
 async def story(ctx: StageContext) -> StageResult:
-    answer = await ctx.infer("extract", RAMBLE, max_tokens=64)
+    answer = await ctx.infer("extract", RAMBLE, max_tokens=int(ctx.message.context.get("n", 64)))
     return ctx.finish({"text": answer.text, "finish": answer.finish_reason})
 
 
@@ -101,6 +101,8 @@ class Rig(DbChecks):
     db: Database
     pool: InferencePool
     governor: Governor
+    stop: asyncio.Event
+    serving: asyncio.Task[None]
 
     async def status_of(self, pipeline: str) -> list[str]:
         rows = await self.rows(
@@ -150,7 +152,7 @@ async def rig(fresh_db: Endpoints, request: pytest.FixtureRequest) -> AsyncItera
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
-        yield Rig(Bus(store), spend, db, pool, governor)
+        yield Rig(Bus(store), spend, db, pool, governor, stop, task)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
@@ -362,6 +364,48 @@ async def test_a_call_priced_too_low_stops_within_its_hold(rig: Rig) -> None:
     (row,) = await rig.rows("SELECT error FROM agent_messages WHERE id = %(i)s", {"i": jid})
     assert "does not match the schema" in row["error"], row["error"]
     assert "cut at the energy its hold paid for" in row["error"], row["error"]
+
+
+@pytest.mark.parametrize("rig", [{"busy_wait": timedelta(seconds=60)}], indirect=True)
+async def test_a_stopping_runner_defers_a_call_waiting_for_the_caps_room(rig: Rig) -> None:
+    # A long call holds the cap's room; a second call waits in place for it (up to 60 s). The
+    # runner stops meanwhile: the waiting call is deferred at once, never admitted into the
+    # drain, and its message is left pending for another runner.
+    story = InferenceRequest("extract", prompt=RAMBLE, max_tokens=400)
+    label = InferenceRequest("classify", prompt="Ticket: I was charged twice\nLabel:", max_tokens=8)
+    pricing = rig.governor.config.pricing
+    long_hold = pricing.worst_case("m", prompt_token_bound(story), 400, 1024).amount
+    await rig.spend.set_cap("appliance", long_hold + pricing.worst_case(
+        "m", prompt_token_bound(label), 8, 1024).amount / 2)  # fmt: skip
+    sid = (await rig.bus.enqueue(
+        tenant="acme", pipeline="story", stage="run", source="t", source_id="long",
+        directive="d", context={"n": 400},
+    )).id  # fmt: skip
+
+    async def story_running() -> bool:
+        return bool(await rig.rows("SELECT 1 FROM spend_ledger WHERE status = 'reserved'"))
+
+    await rig.wait(story_running, what="the long call admitted")
+    lid = await submit(rig, "label", "waits")
+
+    async def label_waiting() -> bool:
+        return bool(await rig.rows(
+            "SELECT 1 FROM spend_waiters WHERE message_id = %(i)s", {"i": lid}))  # fmt: skip
+
+    await rig.wait(label_waiting, what="the second call waiting in the cap's line")
+    await asyncio.sleep(0.5)
+    rig.stop.set()
+    await asyncio.wait_for(rig.serving, 30)
+    statuses = {r["id"]: r["status"] for r in await rig.rows(
+        "SELECT id, status::text AS status FROM agent_messages")}  # fmt: skip
+    assert statuses[lid] == "pending", statuses  # deferred, not run in the drain
+    calls = await rig.rows(
+        "SELECT message_id FROM inference_calls WHERE message_id = %(i)s", {"i": lid}
+    )
+    assert calls == []
+    assert statuses[sid] in {"done", "pending"}  # finished in the drain, or given back
+    lines = await rig.rows("SELECT status FROM spend_ledger WHERE message_id = %(i)s", {"i": lid})
+    assert lines == []  # it never held anything
 
 
 @pytest.mark.parametrize("rig", [{"queue": 1}], indirect=True)  # room for 2, 4 slots
