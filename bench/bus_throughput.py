@@ -5,7 +5,9 @@ What it measures (messages per second, median of 3 repeats, fresh data for every
 1. single enqueue: `bus.enqueue(...)` one message per call, sequentially and from 8 concurrent
    tasks (the full envelope: validation, idempotency key, RLS tenant transaction, transition-log
    trigger, NOTIFY doorbell, durable commit);
-2. batch enqueue: `bus.enqueue_many` in batches of 1,000 (request building is timed apart);
+2. batch enqueue: `bus.enqueue_many` in batches of 1,000 (request building is timed apart),
+   from one task and from 2 concurrent tasks (a producer per core of this box; each batch one
+   transaction, as ever; the raw side likewise on 2 connections);
 3. claim + complete of pre-enqueued no-op messages: batches of 10 (`claim(limit=10)` then
    `complete_many`) with 1 and 4 concurrent workers, and one at a time (`limit=1` +
    `complete`);
@@ -397,14 +399,18 @@ class RawTarget:
         assert m.sample is not None
         return m.sample
 
-    async def batch(self, total: int) -> Sample:
+    async def batch(self, total: int, tasks: int = 1) -> Sample:
         await self.reset()
         payloads = [_payload(i) for i in range(total)]
-        conn = self.conns[0]
-        with self.meter(total) as m:
-            for start in range(0, total, BATCH):
+        starts = list(range(0, total, BATCH))
+
+        async def run(conn: psycopg.AsyncConnection[Any], part: int) -> None:
+            for start in starts[part::tasks]:
                 cur = await conn.execute(RAW_INSERT_MANY, (payloads[start : start + BATCH],))
                 await cur.fetchall()
+
+        with self.meter(total) as m:
+            await asyncio.gather(*(run(self.conns[p], p) for p in range(tasks)))
         assert m.sample is not None
         return m.sample
 
@@ -799,9 +805,14 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
                 _m("bus claim1+complete x1"),
                 _m("raw claim1+done x1"),
             ),
+            Row(
+                f"batch enqueue ({BATCH:,}/batch), 2 concurrent tasks",
+                _m("bus enqueue_many x2 tasks"),
+                _m("raw INSERT .. unnest x2 conns"),
+            ),
         ]
         build = Measurement("bus.request() building (client only)")
-        single_seq, single_c8, batch, cc_w1, cc_w4, one_w1 = rows
+        single_seq, single_c8, batch, cc_w1, cc_w4, one_w1, batch2 = rows
 
         def pair(row: Row, bus_step: Step, raw_step: Step) -> list[tuple[Measurement, Step]]:
             assert row.raw is not None
@@ -825,6 +836,11 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
                 one_w1,
                 lambda: bus.claim_complete(s.claim_one, 1, 1),
                 lambda: raw.claim_complete(s.claim_one, 1, 1),
+            ),
+            *pair(
+                batch2,
+                lambda: bus.batch(s.batch_total, Measurement("unused"), tasks=2),
+                lambda: raw.batch(s.batch_total, tasks=2),
             ),
         ]
         print("measuring (product figures):", flush=True)
@@ -860,13 +876,6 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
                     _m("no notify: enqueue x8"),
                 ),
                 lambda: no_notify.single(n1, 8),
-            ),
-            (
-                Row(
-                    "bus enqueue_many, 2 concurrent tasks (full envelope)",
-                    _m("bus enqueue_many x2 tasks"),
-                ),
-                lambda: bus.batch(nb, throwaway, tasks=2),
             ),
             (
                 Row("bus enqueue_many, log triggers OFF", _m("no triggers: enqueue_many")),
@@ -1049,12 +1058,17 @@ def _explain_table(report: Report) -> str:
 
 
 def _targets(report: Report) -> list[tuple[str, str, bool]]:
-    single_seq, single_c8, batch, cc_w1, cc_w4, _ = report.rows
+    single_seq, single_c8, batch, cc_w1, cc_w4, _, batch2 = report.rows
     out: list[tuple[str, str, bool]] = []
-    b = batch.bus.median
-    out.append(
-        (f"batch enqueue >= {TARGET_BATCH:,.0f} msgs/s", f"{fmt_rate(b)} msgs/s", b >= TARGET_BATCH)
-    )
+    for row, how in ((batch, "1 task"), (batch2, "2 concurrent tasks")):
+        b = row.bus.median
+        out.append(
+            (
+                f"batch enqueue >= {TARGET_BATCH:,.0f} msgs/s, {how}",
+                f"{fmt_rate(b)} msgs/s",
+                b >= TARGET_BATCH,
+            )
+        )
     for row, how in ((single_seq, "sequential"), (single_c8, "8 concurrent tasks")):
         v = row.bus.median
         out.append(
