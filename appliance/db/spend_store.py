@@ -232,20 +232,12 @@ class PgSpendStore:
         ask: dict[str, Any],
         now: datetime | None = None,
     ) -> str | None:
-        params = {
-            "tenant": tenant,
-            "source": source,
-            "source_id": source_id,
-            "pipeline": pipeline,
-            "limits": Jsonb(limits),
-            "reserve": reserve,
-            "verification": verification,
-            "ask": Jsonb(_json_numbers(ask)),
-            "now": now,
-        }
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("run_budget_reserve"), params)).fetchone()
-        return None if row is None or row["exhausted"] is None else str(row["exhausted"])
+        params = {"tenant": tenant, "source": source, "source_id": source_id}
+        return await self._run_exhausted(
+            "run_budget_reserve",
+            {**params, "pipeline": pipeline, "reserve": reserve, "verification": verification},
+            limits, ask, now,
+        )  # fmt: skip
 
     async def run_check(
         self,
@@ -259,18 +251,25 @@ class PgSpendStore:
         ask: dict[str, Any],
         now: datetime | None = None,
     ) -> str | None:
-        params = {
-            "tenant": tenant,
-            "source": source,
-            "source_id": source_id,
-            "limits": Jsonb(limits),
-            "reserve": reserve,
-            "verification": verification,
-            "ask": Jsonb(_json_numbers(ask)),
-            "now": now,
-        }
+        params = {"tenant": tenant, "source": source, "source_id": source_id}
+        return await self._run_exhausted(
+            "run_budget_check",
+            {**params, "reserve": reserve, "verification": verification},
+            limits, ask, now,
+        )  # fmt: skip
+
+    async def _run_exhausted(
+        self,
+        query: str,
+        params: dict[str, Any],
+        limits: dict[str, Any],
+        ask: dict[str, Any],
+        now: datetime | None,
+    ) -> str | None:
+        """The dimension a run-budget query answers exhausted (None: it fits)."""
+        full = {**params, "limits": Jsonb(limits), "ask": Jsonb(_json_numbers(ask)), "now": now}
         async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("run_budget_check"), params)).fetchone()
+            row = await (await conn.execute(q(query), full)).fetchone()
         return None if row is None or row["exhausted"] is None else str(row["exhausted"])
 
     async def run_adjust(

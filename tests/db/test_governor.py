@@ -184,21 +184,38 @@ async def test_the_wait_in_place_ends_with_the_stage_and_holds_nothing_of_the_ru
     assert time.monotonic() - began < 2  # the stage's time, not busy_wait's 30 s
 
 
-async def test_the_wait_in_place_ends_when_the_runner_stops(
-    governor: Governor, db: Database
-) -> None:
-    # A stop must not wait out a wait for the cap's room (a drain would wait for it up to its
-    # timeout, then cancel the handler): the call is deferred at once, for another runner.
+async def cap_held(governor: Governor, db: Database, retry: float) -> tuple[Governor, Message]:
+    """A call in flight holds the whole cap; the next claimed message, and a governor that asks
+    again in place (every `retry` to twice that seconds, up to 30 s) for its room."""
     waiting = Governor(
         governor.spend,
-        # Asks again every 2-4 s: the stop must end the pause itself, not the next ask.
-        GovernorConfig(PRICING, busy_wait=timedelta(seconds=30), busy_retry=timedelta(seconds=2)),
+        GovernorConfig(
+            PRICING, busy_wait=timedelta(seconds=30), busy_retry=timedelta(seconds=retry)
+        ),
         actor="test",
     )
     first = await claimed(db, "a")
     await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
     await admit(governor, first)
-    second = await claimed(db, "b")
+    return waiting, await claimed(db, "b")
+
+
+async def open_holds(db: Database) -> int:
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute("SELECT count(*) AS n FROM spend_ledger WHERE status = 'reserved'")
+        ).fetchone()
+    assert row is not None
+    return int(row["n"])
+
+
+async def test_the_wait_in_place_ends_when_the_runner_stops(
+    governor: Governor, db: Database
+) -> None:
+    # A stop must not wait out a wait for the cap's room (a drain would wait for it up to its
+    # timeout, then cancel the handler): the call is deferred at once, for another runner.
+    # Asks again every 2-4 s: the stop must end the pause itself, not the next ask.
+    waiting, second = await cap_held(governor, db, retry=2)
     found = route("classify", {Tier.MECHANICAL})
     assert found is not None
     stopping = asyncio.Event()
@@ -223,11 +240,7 @@ async def test_the_wait_in_place_ends_when_the_runner_stops(
         await waits
     assert time.monotonic() - began < 0.5  # at once, not after busy_wait's 30 s
     assert asked[-1] is False
-    async with db.system_conn() as conn:
-        row = await (
-            await conn.execute("SELECT count(*) AS n FROM spend_ledger WHERE status = 'reserved'")
-        ).fetchone()
-    assert row is not None and row["n"] == 1  # the first call's hold: the stopped one has none
+    assert await open_holds(db) == 1  # the first call's hold: the stopped one has none
 
 
 async def test_a_call_its_run_budget_refuses_does_not_wait_for_the_caps_room(
@@ -235,15 +248,7 @@ async def test_a_call_its_run_budget_refuses_does_not_wait_for_the_caps_room(
 ) -> None:
     # At the head of the cap's line, it would keep the room that frees for itself, only to be
     # refused by its run's budget once admitted. It ends at once, holding nothing.
-    waiting = Governor(
-        governor.spend,
-        GovernorConfig(PRICING, busy_wait=timedelta(seconds=30), busy_retry=timedelta(seconds=1)),
-        actor="test",
-    )
-    first = await claimed(db, "a")
-    await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
-    await admit(governor, first)
-    second = await claimed(db, "b")
+    waiting, second = await cap_held(governor, db, retry=1)
     budget = RunBudget(calls=1, verification_reserve=Decimal(0))
     # The run (source t, id b) has already made its one call.
     assert (
@@ -272,11 +277,7 @@ async def test_a_call_its_run_budget_refuses_does_not_wait_for_the_caps_room(
     assert time.monotonic() - began < 1 and asked == []  # it never waited
     run = await governor.spend.run_budget("acme", "t", "b")  # type: ignore[attr-defined]
     assert run["exhausted"] == "calls" and run["used"] == {"calls": 1}  # recorded, as ever
-    async with db.system_conn() as conn:
-        row = await (
-            await conn.execute("SELECT count(*) AS n FROM spend_ledger WHERE status = 'reserved'")
-        ).fetchone()
-    assert row is not None and row["n"] == 1  # the first call's hold only
+    assert await open_holds(db) == 1  # the first call's hold only
     # With its run's budget free, the same call waits in place as before.
     third = await claimed(db, "c")
     waits = asyncio.create_task(
@@ -300,15 +301,7 @@ async def test_a_stale_refusal_of_the_run_check_gives_its_reservation_back_and_w
 ) -> None:
     # The check read the run as exhausted, but by the reservation it fits (a sibling call gave
     # some back in between): the reservation is given back, and the call waits as any may.
-    waiting = Governor(
-        governor.spend,
-        GovernorConfig(PRICING, busy_wait=timedelta(seconds=30), busy_retry=timedelta(seconds=1)),
-        actor="test",
-    )
-    first = await claimed(db, "a")
-    await governor.spend.set_cap("appliance", Decimal("0.00003"))  # type: ignore[attr-defined]
-    await admit(governor, first)
-    second = await claimed(db, "b")
+    waiting, second = await cap_held(governor, db, retry=1)
 
     async def stale(**_: object) -> str:
         return "calls"
