@@ -31,6 +31,7 @@ from appliance.domain.errors import (
     UnknownTenant,
 )
 from appliance.domain.ports import BusStatus
+from appliance.pipelines.registry import BUILT_IN
 from appliance.pipelines.support import SAMPLE_TICKETS
 from appliance.runtime import (
     Services,
@@ -156,40 +157,44 @@ async def _declare_pipeline(settings: Settings, svc: Services, name: str) -> Non
     """Write the stage graph of a pipeline this appliance declares when no runner has yet, so
     that work submitted before the first runner started gets its stage's lane, tier and
     attempts (not the bus defaults). A graph already written is left as the runner wrote it."""
-    if await svc.store.pipeline_known(name):
-        return
     try:
         pipelines, _ = load_pipelines(settings)
-    except ConfigurationError as exc:
+    except Exception as exc:
+        # An extra module that does not load must not stop a submit: the built-ins still can.
         print(f"warning: the declared pipelines cannot be loaded ({exc})", file=sys.stderr)
-        return
+        pipelines = [BUILT_IN[n] for n in settings.runner.pipelines if n in BUILT_IN]
     declared = [p for p in pipelines if p.name == name]
     if declared:
-        await svc.store.sync_pipelines(declared)
+        await svc.store.sync_pipelines(declared, only_new=True)
 
 
 async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
     context = _read_context(args.context, settings.bus.context_max_bytes)
     deadline = _parse_time("deadline", args.deadline)
     not_before = _parse_time("not_before", args.not_before)
+    fields: dict[str, Any] = {
+        "tenant": args.tenant,
+        "pipeline": args.pipeline,
+        "stage": args.stage,
+        "source": args.source,
+        "source_id": args.source_id,
+        "lane": args.lane,
+        "directive": args.directive,
+        "context": context,
+        "priority": args.priority,
+        "deadline": deadline,
+        "not_before": not_before,
+        "key": args.key,
+        "from_agent": args.from_agent,
+        "to_agent": args.to_agent,
+    }
     async with services(settings) as svc:
+        # Bad input writes nothing, the stage graph included: checked before it is declared.
+        svc.bus.request(**fields)
+        if not await svc.tenants.exists(args.tenant):
+            raise UnknownTenant(args.tenant)
         await _declare_pipeline(settings, svc, args.pipeline)
-        result = await svc.bus.enqueue(
-            tenant=args.tenant,
-            pipeline=args.pipeline,
-            stage=args.stage,
-            source=args.source,
-            source_id=args.source_id,
-            lane=args.lane,
-            directive=args.directive,
-            context=context,
-            priority=args.priority,
-            deadline=deadline,
-            not_before=not_before,
-            key=args.key,
-            from_agent=args.from_agent,
-            to_agent=args.to_agent,
-        )
+        result = await svc.bus.enqueue(**fields)
     print(f"{result.id} {'new' if result.new else 'duplicate'}")
     return 0
 

@@ -137,17 +137,15 @@ class Governor:
                 )  # fmt: skip
                 if exhausted is None:
                     return
-                # Refused: the reservation itself refuses too, and records it on the run (its
-                # exhausted dimension, its last use), as a refusal after the wait would have.
-                await self.reserve_steps(
-                    message, budget, verification=verification, ask=ask, detail=detail
-                )
-                # It fits after all (the run was given some back meanwhile): give it back, and
-                # wait as any call may.
-                await self.spend.run_adjust(
+                # Recorded on the run (its exhausted dimension, its last use) as a refusal of
+                # the reservation itself is, without reserving anything: a reservation made
+                # only to be refused would, meanwhile, refuse a sibling call of the run.
+                await self.spend.run_refused(
                     tenant=message.tenant, source=message.source, source_id=message.source_id,
-                    delta={k: -v for k, v in ask.items() if isinstance(v, (int, Decimal))},
+                    pipeline=message.pipeline, limits=budget.limits(),
+                    reserve=budget.verification_reserve, exhausted=exhausted, now=None,
                 )  # fmt: skip
+                raise BudgetExhausted(exhausted, detail)
 
             before_wait = run_refuses
         # The cap first: a wait in place for its room holds nothing of the run's budget, which

@@ -198,15 +198,13 @@ class PgRunnerStore(PgMessageStore):
 
     # -- stage graphs ---------------------------------------------------------------------------
 
-    async def pipeline_known(self, name: str) -> bool:
-        """Whether a pipeline's stage graph is in the database (a runner synced it)."""
-        async with self.db.system_conn() as conn:
-            row = await (await conn.execute(q("pipeline_known"), {"pipeline": name})).fetchone()
-        return bool(row and row["known"])
-
-    async def sync_pipelines(self, pipelines: Sequence[Pipeline]) -> None:
+    async def sync_pipelines(
+        self, pipelines: Sequence[Pipeline], *, only_new: bool = False
+    ) -> None:
         """Write each declared pipeline's stage graph, replacing what was there (one tx each);
-        the messages of a stage whose model tier changed get the new one, unless finished."""
+        the messages of a stage whose model tier changed get the new one, unless finished.
+        `only_new`: leave a pipeline whose graph is already written alone (decided under the
+        same lock as the write, so a runner's sync in between is never overwritten)."""
         for pipeline in pipelines:
             rows = pipeline.rows()
             async with self.db.system_tx() as conn:
@@ -214,6 +212,11 @@ class PgRunnerStore(PgMessageStore):
                 await conn.execute(
                     "SELECT pg_advisory_xact_lock(hashtext('pipeline:' || %s))", (pipeline.name,)
                 )
+                if only_new:
+                    cur = await conn.execute(q("pipeline_known"), {"pipeline": pipeline.name})
+                    known = await cur.fetchone()
+                    if known is not None and known["known"]:
+                        continue
                 await conn.execute(q("pipeline_routes_clear"), {"pipeline": pipeline.name})
                 retier: list[str] = []
                 stale = False

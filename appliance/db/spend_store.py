@@ -258,6 +258,25 @@ class PgSpendStore:
             limits, ask, now,
         )  # fmt: skip
 
+    async def run_refused(
+        self,
+        *,
+        tenant: str,
+        source: str,
+        source_id: str,
+        pipeline: str,
+        limits: dict[str, Any],
+        reserve: Decimal,
+        exhausted: str,
+        now: datetime | None = None,
+    ) -> None:
+        params = {
+            "tenant": tenant, "source": source, "source_id": source_id, "pipeline": pipeline,
+            "limits": Jsonb(limits), "reserve": reserve, "exhausted": exhausted, "now": now,
+        }  # fmt: skip
+        async with self.db.system_conn() as conn:
+            await conn.execute(q("run_budget_refused"), params)
+
     async def _run_exhausted(
         self,
         query: str,

@@ -337,6 +337,21 @@ class SpendStore(Protocol):
         """Read only: the dimension run_reserve would find exhausted for `ask` (None: fits)."""
         ...
 
+    async def run_refused(
+        self,
+        *,
+        tenant: str,
+        source: str,
+        source_id: str,
+        pipeline: str,
+        limits: dict[str, Any],
+        reserve: Decimal,
+        exhausted: str,
+        now: datetime | None,
+    ) -> None:
+        """Record on the run the refusal run_check found, reserving nothing."""
+        ...
+
     async def run_adjust(
         self, *, tenant: str, source: str, source_id: str, delta: dict[str, Any]
     ) -> None: ...

@@ -386,9 +386,7 @@ class _Worker(threading.Thread):
                     raise _Stop("cancelled", generated)
                 if stop_at is not None and now > stop_at:
                     raise _Stop("timeout", generated)
-                # The last token allowed needs no check: no pass evaluates it.
-                last = generated + 1 >= request.max_tokens
-                if energy is not None and not last and energy.stop(now, generated):
+                if energy is not None and energy.stop(now, generated):
                     # Out of the energy the reservation paid for: keep what was written so far.
                     out = llama.detokenize(
                         list(ids[prompt_ids:]), prev_tokens=list(ids[:prompt_ids])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import importlib
 import itertools
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -325,7 +326,8 @@ class _Tracked:
 
 
 class ThreadCpu:
-    """Real per-thread CPU time (user + system) of registered threads, from psutil.
+    """Real per-thread CPU time (user + system) of registered threads, from /proc (psutil where
+    there is none).
 
     Thread ids are native ids (`threading.get_native_id()`), the ids the kernel reports.
     `seconds(id)` is the thread's cumulative CPU time since it started; `total()` is the CPU time
@@ -340,12 +342,32 @@ class ThreadCpu:
         self._tracked: dict[int, _Tracked] = {}
         self._retired = 0.0  # CPU seconds of threads no longer tracked
         self._lock = threading.Lock()
+        # Linux: read the few threads asked about from /proc (every registered one, at each
+        # sample of the meter, between tokens too); psutil reads every thread of the process,
+        # about 10 us each (0.6 ms with 60 threads).
+        self._tasks = Path(f"/proc/{os.getpid()}/task")
+        self._ticks = float(os.sysconf("SC_CLK_TCK")) if self._tasks.is_dir() else 0.0
 
-    def _now(self) -> dict[int, float]:
-        return {t.id: t.user_time + t.system_time for t in self._proc.threads()}
+    def _now(self, also: int | None = None) -> dict[int, float]:
+        """CPU seconds of the registered threads still alive (and of `also`), by thread id."""
+        if not self._ticks:
+            return {t.id: t.user_time + t.system_time for t in self._proc.threads()}
+        wanted = [tid for tid, t in self._tracked.items() if t.alive]
+        if also is not None:
+            wanted.append(also)
+        out: dict[int, float] = {}
+        for tid in wanted:
+            try:
+                stat = (self._tasks / str(tid) / "stat").read_bytes()
+            except OSError:
+                continue  # exited
+            # After "(comm)", which may hold spaces: state is field 3; utime, stime 14 and 15.
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            out[tid] = (int(fields[11]) + int(fields[12])) / self._ticks
+        return out
 
-    def _refresh(self) -> dict[int, float]:
-        now = self._now()
+    def _refresh(self, also: int | None = None) -> dict[int, float]:
+        now = self._now(also)
         for tid, tracked in self._tracked.items():
             value = now.get(tid)
             if not tracked.alive:
@@ -359,7 +381,7 @@ class ThreadCpu:
     def register(self, native_id: int) -> None:
         """Start counting a thread of this process (no-op if it is already counted)."""
         with self._lock:
-            now = self._refresh()
+            now = self._refresh(also=native_id)
             tracked = self._tracked.get(native_id)
             if tracked is not None and tracked.alive:
                 return
@@ -380,7 +402,7 @@ class ThreadCpu:
     def seconds(self, native_id: int) -> float:
         """Return a thread's cumulative CPU seconds (the last value seen if it has exited)."""
         with self._lock:
-            now = self._refresh()
+            now = self._refresh(also=native_id)
             tracked = self._tracked.get(native_id)
             if tracked is not None:
                 return tracked.last

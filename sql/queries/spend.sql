@@ -169,6 +169,18 @@ FROM (SELECT r.limits, r.used, r.started_at, r.verification_reserve, 0 AS rank
 ORDER BY b.rank
 LIMIT 1;
 
+-- name: run_budget_refused :exec
+-- Record a refusal the read-only check found (the run's exhausted dimension, its last use),
+-- reserving nothing, as run_budget_reserve records its own (a new run's budget is started).
+INSERT INTO run_budgets AS r (tenant, source, source_id, pipeline, limits, verification_reserve,
+                              started_at, used_at, exhausted)
+VALUES (%(tenant)s, %(source)s, %(source_id)s, %(pipeline)s, %(limits)s, %(reserve)s::numeric,
+        coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now()),
+        %(exhausted)s)
+ON CONFLICT (tenant, source, source_id) DO UPDATE
+SET exhausted = coalesce(r.exhausted, excluded.exhausted),
+    used_at = greatest(r.used_at, excluded.used_at);
+
 -- name: run_budget_adjust :exec
 -- Give back what a reservation did not use.
 SELECT run_budget_adjust(%(tenant)s, %(source)s, %(source_id)s, %(delta)s);

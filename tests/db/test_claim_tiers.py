@@ -224,6 +224,31 @@ async def test_messages_carry_their_stages_tier_through_redeclaration(quiet_db: 
     assert await tier_of(quiet_db, running.id) == "mechanical"
 
 
+async def test_a_sync_of_new_pipelines_only_leaves_a_written_graph_alone(
+    quiet_db: Database,
+) -> None:
+    # What `appliance submit` does before the first runner: it writes the graph only if none
+    # is written, decided under the sync's lock, so a runner's graph is never replaced by the
+    # CLI's (possibly older) declaration.
+    rstore = PgRunnerStore(quiet_db)
+    await rstore.sync_pipelines([support()], only_new=True)  # none yet: written
+    assert await tiers_by_stage(quiet_db) == {}
+    bus = Bus(rstore)
+    await enqueue(bus, "draft", 1)
+    older = Pipeline("support", (Stage("classify", noop, lane=Lane.BATCH),))
+    await rstore.sync_pipelines([older], only_new=True)
+    assert await tiers_by_stage(quiet_db) == {"draft": {"reasoning"}}
+    async with await psycopg.AsyncConnection.connect(quiet_db.endpoints.admin) as conn:
+        stages = await (
+            await conn.execute(
+                "SELECT stage, lane::text FROM appliance.pipeline_stages ORDER BY stage"
+            )
+        ).fetchall()
+    # The first graph, whole: the later declaration (one batch stage) changed nothing.
+    assert stages == [("classify", "interactive"), ("draft", "interactive"),
+                      ("plain", "interactive")]  # fmt: skip
+
+
 async def test_stage_hand_off_stamps_the_next_stages_tier(quiet_db: Database) -> None:
     rstore = PgRunnerStore(quiet_db)
     pipeline = Pipeline(

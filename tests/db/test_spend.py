@@ -340,6 +340,29 @@ async def test_wall_time_and_giving_back_unused_reservations(spend: PgSpendStore
     assert await run_reserve(spend, {"steps": 1}, now=start + timedelta(minutes=6)) == "wall_time"
 
 
+async def test_a_refusal_found_by_the_check_is_recorded_without_reserving(
+    spend: PgSpendStore,
+) -> None:
+    at = datetime(2031, 1, 1, tzinfo=UTC)
+
+    async def refused(source_id: str, dimension: str) -> None:
+        await spend.run_refused(
+            tenant="acme", source="t", source_id=source_id, pipeline="p",
+            limits=BUDGET.limits(), reserve=BUDGET.verification_reserve, exhausted=dimension,
+            now=at,
+        )  # fmt: skip
+
+    await refused("new", "tokens")  # a run's first refusal starts its budget
+    fresh = await spend.run_budget("acme", "t", "new")
+    assert fresh is not None and fresh["exhausted"] == "tokens" and fresh["used"] == {}
+    assert fresh["started_at"] == fresh["used_at"] == at
+    assert await run_reserve(spend, {"steps": 1}, source_id="old", now=at) is None
+    await refused("old", "calls")
+    await refused("old", "money")  # the first dimension to run out stays the one named
+    old = await spend.run_budget("acme", "t", "old")
+    assert old is not None and old["exhausted"] == "calls" and old["used"] == {"steps": 1}
+
+
 async def test_waiting_places_unasked_for_an_hour_are_purged_in_batches(
     spend: PgSpendStore, db: Database
 ) -> None:

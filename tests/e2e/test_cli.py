@@ -194,6 +194,18 @@ def test_work_submitted_before_any_runner_gets_its_stages_lane_and_tier(
     # No runner has written the pipelines' stage graphs yet: submit writes the declared one, so
     # the message is not given the bus defaults (interactive, no tier) for good.
     run(env, "tenant", "add", "acme")
+    # A submit refused for bad input writes nothing, the stage graph included.
+    bad = run(env, "submit", "--tenant", "acme", "--pipeline", "demo", "--stage", "intake",
+              "--source", "cli", "--source-id", "2", "--directive", "", check=False)  # fmt: skip
+    assert bad.returncode == 2 and "directive" in bad.stderr
+    ghost = run(env, "submit", "--tenant", "ghost", "--pipeline", "demo", "--stage", "intake",
+                "--source", "cli", "--source-id", "2", "--directive", "d", check=False)  # fmt: skip
+    assert ghost.returncode == 2 and "unknown tenant 'ghost'" in ghost.stderr
+    with psycopg.connect(fresh_db.admin) as conn:
+        demo = conn.execute(
+            "SELECT count(*) FROM appliance.pipeline_stages WHERE pipeline = 'demo'"
+        ).fetchone()
+    assert demo == (0,)
     for pipeline, stage in (("demo", "enrich"), ("support", "classify")):
         run(env, "submit", "--tenant", "acme", "--pipeline", pipeline, "--stage", stage,
             "--source", "cli", "--source-id", "1", "--directive", "d")  # fmt: skip
@@ -208,3 +220,25 @@ def test_work_submitted_before_any_runner_gets_its_stages_lane_and_tier(
     # A pipeline nobody declares still takes work, with the defaults.
     run(env, "submit", "--tenant", "acme", "--pipeline", "elsewhere", "--stage", "s",
         "--source", "cli", "--source-id", "1", "--directive", "d")  # fmt: skip
+
+
+def test_a_pipeline_module_that_fails_to_load_does_not_stop_a_submit(
+    env: dict[str, str], fresh_db: Endpoints, tmp_path: Path
+) -> None:
+    # The runner would refuse to start with it; a submit warns, declares the built-ins it
+    # still can, and takes the work.
+    (tmp_path / "broken_pipelines.py").write_text("raise RuntimeError('half-deployed')\n")
+    env = {
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "APPLIANCE_RUNNER__PIPELINE_MODULES": '["broken_pipelines"]',
+    }
+    run(env, "tenant", "add", "acme")
+    proc = run(env, "submit", "--tenant", "acme", "--pipeline", "demo", "--stage", "enrich",
+               "--source", "cli", "--source-id", "1", "--directive", "d")  # fmt: skip
+    assert proc.stdout.split()[1] == "new"
+    assert "warning: the declared pipelines cannot be loaded" in proc.stderr
+    assert "half-deployed" in proc.stderr
+    with psycopg.connect(fresh_db.admin) as conn:
+        row = conn.execute("SELECT lane::text FROM appliance.agent_messages").fetchone()
+    assert row == ("batch",)  # the built-in demo pipeline was still declared

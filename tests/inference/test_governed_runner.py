@@ -45,7 +45,9 @@ RAMBLE = "Here is a very long story about a dragon, told in great detail. Once u
 
 
 async def story(ctx: StageContext) -> StageResult:
-    answer = await ctx.infer("extract", RAMBLE, max_tokens=int(ctx.message.context.get("n", 64)))
+    answer = await ctx.infer(
+        "extract", RAMBLE, max_tokens=int((ctx.message.context or {}).get("n", 64))
+    )
     return ctx.finish({"text": answer.text, "finish": answer.finish_reason})
 
 

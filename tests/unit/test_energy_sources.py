@@ -7,6 +7,7 @@ import importlib.util
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from appliance.domain.errors import ConfigurationError
@@ -321,6 +322,45 @@ def test_thread_cpu_counts_a_real_thread_and_keeps_it_after_exit() -> None:
     cpu.unregister(worker.native)
     assert cpu.total() == after  # unregistering keeps what it used
     assert cpu.snapshot() == {}
+
+
+def test_thread_cpu_reads_what_psutil_reads_and_falls_back_to_it() -> None:
+    # Only the registered threads' /proc entries are read (psutil reads every thread of the
+    # process, and the meter samples between tokens); the figures are the kernel's either way.
+    native: list[int] = []
+    turns = [threading.Event(), threading.Event()]
+    done = [threading.Event(), threading.Event()]
+    leave = threading.Event()
+
+    def work() -> None:
+        native.append(threading.get_native_id())
+        for turn, finished in zip(turns, done, strict=True):
+            turn.wait(10)
+            burn(60)
+            finished.set()
+        leave.wait(10)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    turns[0].set()
+    assert done[0].wait(30)
+    (tid,) = native
+    fast, slow = ThreadCpu(), ThreadCpu()
+    slow._ticks = 0.0  # as where there is no /proc: psutil
+    for cpu in (fast, slow):
+        cpu.register(tid)
+    by_psutil = {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+    used = fast.seconds(tid)
+    assert used == slow.seconds(tid) == by_psutil[tid] and used > 0
+    # A thread name holding ") " does not shift the fields (psutil itself misreads it).
+    Path(f"/proc/self/task/{tid}/comm").write_text("odd) 1 2 (3")
+    turns[1].set()
+    assert done[1].wait(30)
+    assert fast.seconds(tid) > used  # still counted, and counting
+    leave.set()
+    thread.join(10)
+    last = fast.seconds(tid)
+    assert fast.snapshot() == {tid: last}  # exited: the last value seen is kept
 
 
 def test_thread_cpu_refuses_a_thread_that_does_not_exist() -> None:
