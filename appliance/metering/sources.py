@@ -345,7 +345,7 @@ class ThreadCpu:
         # Linux: read the few threads asked about from /proc (every registered one, at each
         # sample of the meter, between tokens too); psutil reads every thread of the process,
         # about 10 us each (0.6 ms with 60 threads).
-        self._tasks = Path(f"/proc/{os.getpid()}/task")
+        self._tasks = Path("/proc/self/task")  # this process, also after a fork
         self._ticks = float(os.sysconf("SC_CLK_TCK")) if self._tasks.is_dir() else 0.0
 
     def _now(self, also: int | None = None) -> dict[int, float]:
