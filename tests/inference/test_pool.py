@@ -358,6 +358,73 @@ async def test_a_meter_that_cannot_be_read_mid_call_leaves_the_call_whole() -> N
         await pool.close()
 
 
+def listing(tag: str, items: int) -> InferenceRequest:
+    """A long prompt (about 8 tokens an item), starting with `tag` so that no call reuses
+    another's evaluated prompt."""
+    body = " ".join(f"item {i} is {(i * 7 + len(tag)) % 13}." for i in range(items))
+    return InferenceRequest("extract", prompt=f"{tag}: {body} Summary:", max_tokens=8)
+
+
+async def test_a_long_prompt_is_evaluated_in_chunks_to_the_same_answer(
+    mechanical1: InferencePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    evaluated: list[int] = []
+    evaluate = llama_cpp.Llama.eval
+
+    def counted(self: llama_cpp.Llama, tokens: Any) -> None:
+        evaluated.append(len(tokens))
+        evaluate(self, tokens)
+
+    monkeypatch.setattr(llama_cpp.Llama, "eval", counted)
+    chunked = await mechanical1.infer(listing("Alpha", 40), Tier.MECHANICAL)
+    assert chunked.prompt_tokens > 2 * pool_module.PROMPT_CHUNK
+    assert evaluated[0] == pool_module.PROMPT_CHUNK  # in chunks...
+    # ...that the completion reuses: each prompt token is evaluated once.
+    assert sum(evaluated) <= chunked.prompt_tokens + chunked.completion_tokens
+    monkeypatch.setattr(pool_module, "PROMPT_CHUNK", 10**6)  # as before: in one go
+    whole = await mechanical1.infer(listing("Alpha", 40), Tier.MECHANICAL)
+    assert whole.text == chunked.text and whole.prompt_tokens == chunked.prompt_tokens
+
+
+async def test_a_cancel_or_a_timeout_stops_a_long_prompts_evaluation(
+    mechanical1: InferencePool,
+) -> None:
+    # Inside llama.cpp one evaluation cannot be stopped: between two chunks it can.
+    whole_s = (await mechanical1.infer(listing("Beta", 60), Tier.MECHANICAL)).ttft_seconds
+    cancel = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.2, cancel.set)
+    began = time.monotonic()
+    with pytest.raises(CallCancelled, match="after 0 tokens"):
+        await mechanical1.infer(listing("Gamma", 60), Tier.MECHANICAL, CallControl(cancel=cancel))
+    assert time.monotonic() - began < whole_s * 0.75, whole_s
+    began = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="ran past its timeout"):
+        await mechanical1.infer(listing("Delta", 60), Tier.MECHANICAL, CallControl(timeout=0.2))
+    assert time.monotonic() - began < whole_s * 0.75, whole_s
+    ok = await mechanical1.infer(ramble(4), Tier.MECHANICAL)  # the worker serves on
+    assert ok.completion_tokens >= 1
+
+
+async def test_a_long_prompts_evaluation_stops_at_the_energy_its_hold_paid_for() -> None:
+    meter = ClockMeter(10.0)
+    pool = InferencePool([spec(Tier.MECHANICAL)], cores=2, meter=meter)
+    await pool.start()
+    try:
+        first = await pool.infer(listing("Epsilon", 60), Tier.MECHANICAL)
+        assert first.energy_joules is not None
+        # Room for about a third of the prompt's evaluation.
+        limit = first.energy_joules / 3
+        cut = await pool.infer(
+            listing("Zeta", 60), Tier.MECHANICAL, CallControl(energy_limit=limit)
+        )
+        assert cut.finish_reason == ENERGY_LIMIT and cut.completion_tokens == 0
+        assert cut.text == "" and cut.prompt_tokens > 2 * pool_module.PROMPT_CHUNK
+        assert cut.energy_joules is not None and cut.energy_joules <= limit
+    finally:
+        await pool.close()
+
+
 async def test_stats_mirror_llama_server_names(mechanical1: InferencePool) -> None:
     result = await mechanical1.infer(ramble(6), Tier.MECHANICAL)
     stats = mechanical1.stats()["mechanical"]
