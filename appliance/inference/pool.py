@@ -376,6 +376,11 @@ class _Worker(threading.Thread):
             if job.energy_limit is not None and job.energy_limit > 0 and job.energy_used is not None
             else None
         )
+        if prefix < cached and not llama._ctx.kv_cache_seq_rm(-1, prefix, -1):
+            # A recurrent model (Mamba, RWKV, hybrids) keeps no partial state: start afresh,
+            # as the completion itself would.
+            llama.reset()  # type: ignore[no-untyped-call]
+            prefix = 0
         llama.n_tokens = prefix  # what differs from the cached tokens is evaluated again
         for done, start in enumerate(range(prefix, upto, chunk)):
             now = time.monotonic()

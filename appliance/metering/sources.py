@@ -359,8 +359,8 @@ class ThreadCpu:
         for tid in wanted:
             try:
                 stat = (self._tasks / str(tid) / "stat").read_bytes()
-            except OSError:
-                continue  # exited
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited (any other error is raised: a live thread is never frozen)
             # After "(comm)", which may hold spaces: state is field 3; utime, stime 14 and 15.
             fields = stat[stat.rindex(b")") + 2 :].split()
             out[tid] = (int(fields[11]) + int(fields[12])) / self._ticks

@@ -383,6 +383,9 @@ async def test_a_long_prompt_is_evaluated_in_chunks_to_the_same_answer(
     assert sum(evaluated) <= chunked.prompt_tokens + chunked.completion_tokens
     monkeypatch.setattr(pool_module, "PROMPT_CHUNK", 10**6)  # as before: in one go
     whole = await mechanical1.infer(listing("Alpha", 40), Tier.MECHANICAL)
+    # The same answer, bit for bit on this model. (llama.cpp's CPU kernels for some K-quants
+    # round differently with a batch's shape, so there greedy answers may part after a few
+    # tokens: as they already did with how much of a prompt was cached.)
     assert whole.text == chunked.text and whole.prompt_tokens == chunked.prompt_tokens
 
 

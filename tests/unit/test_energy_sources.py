@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import threading
@@ -361,6 +362,27 @@ def test_thread_cpu_reads_what_psutil_reads_and_falls_back_to_it() -> None:
     thread.join(10)
     last = fast.seconds(tid)
     assert fast.snapshot() == {tid: last}  # exited: the last value seen is kept
+
+
+def test_a_read_error_is_raised_never_taken_for_a_thread_exit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Taken for an exit, a transient error (too many open files) would freeze a live thread's
+    # CPU time for good: its calls under-charged, their energy guard under-reading.
+    cpu = ThreadCpu()
+    me = threading.get_native_id()
+    cpu.register(me)
+    read = Path.read_bytes
+
+    def full(self: Path) -> bytes:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(Path, "read_bytes", full)
+    with pytest.raises(OSError, match="Too many open files"):
+        cpu.snapshot()
+    monkeypatch.setattr(Path, "read_bytes", read)
+    burn(20)
+    assert cpu._tracked[me].alive and cpu.snapshot()[me] == cpu.seconds(me) > 0
 
 
 def test_thread_cpu_refuses_a_thread_that_does_not_exist() -> None:
