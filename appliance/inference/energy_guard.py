@@ -32,8 +32,11 @@ class EnergyGuard:
     `read()` returns the joules charged to the call so far.
 
     - The first ask follows the prompt's evaluation. Evaluating the next token is a forward pass
-      over one token, which costs no more than the pass over the prompt just measured: the
-      guard stops if that much more would reach the limit, and reads again at the next token.
+      over one token, which costs no more than the pass over the prompt just measured, nor
+      (with `paid_tokens`, the tokens the hold paid for) much more than the hold paid a token:
+      the guard stops if the smaller of the prompt's energy and MARGIN times that would reach
+      the limit, and reads again at the next token. (A hold priced too low can so pass by at
+      most that first token's difference.)
     - Later, it reads at most every `every` seconds, and stops once the energy used plus MARGIN
       times the expected cost of the tokens before the next reading would reach the limit: the
       largest energy per token seen, times one token plus as many as the fastest stretch seen
@@ -46,11 +49,20 @@ class EnergyGuard:
     """
 
     def __init__(
-        self, limit: float, read: Callable[[], float], started: float, every: float = CHECK_EVERY
+        self,
+        limit: float,
+        read: Callable[[], float],
+        started: float,
+        every: float = CHECK_EVERY,
+        *,
+        paid_tokens: int | None = None,
     ) -> None:
         if limit <= 0:
             raise ValueError(f"energy guard: the limit must be > 0 J, not {limit}")
         self.limit = limit
+        # What the hold paid for each token (its prompt's and its answer's): a bound on the
+        # next token's pass at the first reading, tighter than a long prompt's whole pass.
+        self._paid_per_token = limit / paid_tokens if paid_tokens else None
         self._read = read
         self._every = every
         self._next = started
@@ -74,8 +86,11 @@ class EnergyGuard:
             self._broken = True
             return False
         if self._last is None:
-            # After the prompt: the next token's pass costs at most what the prompt's did.
+            # After the prompt: the next token's pass costs at most what the prompt's did, and
+            # (unless the figure behind the hold is wrong) about what the hold paid a token.
             ahead = used
+            if self._paid_per_token is not None:
+                ahead = min(ahead, MARGIN * self._paid_per_token)
             self._next = now  # read again at the next token: one token's cost, measured
         else:
             at, before, counted = self._last

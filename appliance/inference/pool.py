@@ -131,6 +131,13 @@ class _Stop(Exception):
         return stop
 
 
+def _guard(job: _Job, started: float, paid_tokens: int | None = None) -> EnergyGuard | None:
+    """The energy guard of a job run under a meter with a limit (None otherwise)."""
+    if job.energy_limit is None or job.energy_limit <= 0 or job.energy_used is None:
+        return None
+    return EnergyGuard(job.energy_limit, job.energy_used, started, paid_tokens=paid_tokens)
+
+
 class _RequestError(Exception):
     """A call that failed because of what it asked (a prompt longer than the context, a schema
     llama.cpp cannot turn into a grammar, a token callback that raised): the model is fine, so
@@ -371,11 +378,7 @@ class _Worker(threading.Thread):
             prefix += 1
         if upto - prefix <= chunk:
             return
-        energy = (
-            EnergyGuard(job.energy_limit, job.energy_used, started)
-            if job.energy_limit is not None and job.energy_limit > 0 and job.energy_used is not None
-            else None
-        )
+        energy = _guard(job, started)
         if prefix < cached and not llama._ctx.kv_cache_seq_rm(-1, prefix, -1):
             # A recurrent model (Mamba, RWKV, hybrids) keeps no partial state: start afresh,
             # as the completion itself would.
@@ -419,11 +422,7 @@ class _Worker(threading.Thread):
         generated = 0
         prompt_ids = 0
         stop_at = started + job.timeout if job.timeout is not None else None
-        energy = (
-            EnergyGuard(job.energy_limit, job.energy_used, started)
-            if job.energy_limit is not None and job.energy_limit > 0 and job.energy_used is not None
-            else None
-        )
+        energy: EnergyGuard | None = None  # set once the prompt's length is known
         try:
 
             def between_tokens(ids: Any, _scores: Any) -> bool:
@@ -479,6 +478,9 @@ class _Worker(threading.Thread):
                     f"the prompt is {prompt_tokens_n} tokens, the context holds"
                     f" {llama.n_ctx()}: shorten it"
                 )
+            # After the prompt, the next token's pass is bounded by the energy per token the
+            # hold paid for (the prompt's own pass bounds it too, but a long prompt's loosely).
+            energy = _guard(job, started, paid_tokens=prompt_tokens_n + request.max_tokens)
             response: Any
             try:
                 self._evaluate_prompt(llama, prompt_token_ids, job, started, stop_at)

@@ -321,7 +321,7 @@ async def test_a_generation_that_ended_is_never_cut_after_the_fact(
             ended.set()  # the completion's loop is over
 
     class TripsLate:
-        def __init__(self, limit: float, *_: object) -> None:
+        def __init__(self, limit: float, *_: object, **__: object) -> None:
             self.limit, self.used = limit, 0.0
 
         def stop(self, now: float, tokens: int) -> bool:

@@ -65,6 +65,17 @@ def test_the_first_token_is_bounded_by_the_prompts_pass() -> None:
     assert not EnergyGuard(18.1, lambda: 9.0, started=0.0).stop(0.9, 0)
 
 
+def test_after_a_long_prompt_the_first_token_is_bounded_by_what_the_hold_paid_a_token() -> None:
+    # An 800-token prompt used 12 J of a 20 J hold paid for 808 tokens (about 0.025 J each):
+    # its whole pass would be a far too wide margin for one token; twice the paid 0.025 J is not.
+    assert EnergyGuard(20.0, lambda: 12.0, started=0.0).stop(1.0, 0)  # 12 + 12 >= 20
+    paid = EnergyGuard(20.0, lambda: 12.0, started=0.0, paid_tokens=808)
+    assert not paid.stop(1.0, 0)
+    # A short prompt's own pass is the tighter bound still.
+    assert EnergyGuard(1.0, lambda: 0.45, started=0.0, paid_tokens=4).stop(0.1, 0) is False
+    assert EnergyGuard(0.9, lambda: 0.45, started=0.0, paid_tokens=4).stop(0.1, 0)
+
+
 def test_slow_tokens_widen_the_margin_to_a_whole_token() -> None:
     # 3 J per token, one token every 0.3 s (longer than the 0.05 s interval): after measuring
     # one, it stops while one more (x2) still fits, never reading past the limit.
