@@ -200,6 +200,14 @@ async def cap_held(governor: Governor, db: Database, retry: float) -> tuple[Gove
     return waiting, await claimed(db, "b")
 
 
+async def one_call(governor: Governor, budget: RunBudget) -> str | None:
+    """Reserve one call of the second message's run (source t, id b) directly."""
+    return await governor.spend.run_reserve(
+        tenant="acme", source="t", source_id="b", pipeline="p", limits=budget.limits(),
+        reserve=budget.verification_reserve, verification=False, ask={"calls": 1}, now=None,
+    )  # fmt: skip
+
+
 async def open_holds(db: Database) -> int:
     async with db.system_conn() as conn:
         row = await (
@@ -251,20 +259,7 @@ async def test_a_call_its_run_budget_refuses_does_not_wait_for_the_caps_room(
     waiting, second = await cap_held(governor, db, retry=1)
     budget = RunBudget(calls=1, verification_reserve=Decimal(0))
     # The run (source t, id b) has already made its one call.
-    assert (
-        await governor.spend.run_reserve(
-            tenant="acme",
-            source="t",
-            source_id="b",
-            pipeline="p",
-            limits=budget.limits(),
-            reserve=budget.verification_reserve,
-            verification=False,
-            ask={"calls": 1},
-            now=None,
-        )
-        is None
-    )
+    assert await one_call(governor, budget) is None
     found = route("classify", {Tier.MECHANICAL})
     assert found is not None
     asked: list[bool] = []
@@ -318,17 +313,4 @@ async def test_a_refusal_of_the_run_check_reserves_nothing_of_the_run(
     run = await governor.spend.run_budget("acme", "t", "b")  # type: ignore[attr-defined]
     assert run["exhausted"] == "calls" and run["used"] == {}
     # The run's one call is still there for a sibling.
-    assert (
-        await governor.spend.run_reserve(
-            tenant="acme",
-            source="t",
-            source_id="b",
-            pipeline="p",
-            limits=budget.limits(),
-            reserve=budget.verification_reserve,
-            verification=False,
-            ask={"calls": 1},
-            now=None,
-        )
-        is None
-    )
+    assert await one_call(governor, budget) is None
