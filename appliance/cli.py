@@ -190,11 +190,11 @@ async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
     }
     async with services(settings) as svc:
         # Bad input writes nothing, the stage graph included: checked before it is declared.
-        svc.bus.request(**fields)
+        request = svc.bus.request(**fields)
         if not await svc.tenants.exists(args.tenant):
             raise UnknownTenant(args.tenant)
         await _declare_pipeline(settings, svc, args.pipeline)
-        result = await svc.bus.enqueue(**fields)
+        (result,) = await svc.bus.enqueue_many([request])
     print(f"{result.id} {'new' if result.new else 'duplicate'}")
     return 0
 

@@ -119,13 +119,14 @@ class Governor:
             )
         except ConfigurationError as exc:
             raise BudgetHeld(f"held_budget: money: {exc}") from exc
-        run_ask: dict[str, object] | None = None
-        detail = ""
+        run_ask: dict[str, object] = {
+            "tokens": estimate.tokens,
+            "calls": 1,
+            "money": estimate.amount,
+        }
+        detail = f"a {request.kind} call asked {run_ask}"
         before_wait: Callable[[], Awaitable[None]] | None = None
         if budget is not None:
-            run_ask = {"tokens": estimate.tokens, "calls": 1, "money": estimate.amount}
-            detail = f"a {request.kind} call asked {run_ask}"
-            ask = run_ask
 
             async def run_refuses() -> None:
                 # A call its run's budget will refuse must not wait for the cap's room (at the
@@ -133,7 +134,7 @@ class Governor:
                 exhausted = await self.spend.run_check(
                     tenant=message.tenant, source=message.source, source_id=message.source_id,
                     limits=budget.limits(), reserve=budget.verification_reserve,
-                    verification=verification, ask=ask, now=None,
+                    verification=verification, ask=run_ask, now=None,
                 )  # fmt: skip
                 if exhausted is None:
                     return
@@ -159,7 +160,7 @@ class Governor:
                 raise BudgetHeld(hold.reason())
             # Room is only held by calls in flight; they settle at or below their holds.
             raise BudgetBusy(hold.reason().replace("held_budget:", "deferred:", 1))
-        if budget is not None and run_ask is not None:
+        if budget is not None:
             try:
                 await self.reserve_steps(
                     message, budget, verification=verification, ask=run_ask, detail=detail
@@ -175,7 +176,7 @@ class Governor:
                     now=None,
                 )
                 raise
-        return Admission(hold, estimate, run_ask)
+        return Admission(hold, estimate, run_ask if budget is not None else None)
 
     async def _reserve(
         self,

@@ -131,6 +131,14 @@ class _Stop(Exception):
         return stop
 
 
+def _stop_if_asked(job: _Job, stop_at: float | None, now: float, tokens: int) -> None:
+    """Raise _Stop when the job was cancelled or ran past its timeout (`tokens` generated)."""
+    if job.cancel.is_set():
+        raise _Stop("cancelled", tokens)
+    if stop_at is not None and now > stop_at:
+        raise _Stop("timeout", tokens)
+
+
 def _guard(job: _Job, started: float, paid_tokens: int | None = None) -> EnergyGuard | None:
     """The energy guard of a job run under a meter with a limit (None otherwise)."""
     if job.energy_limit is None or job.energy_limit <= 0 or job.energy_used is None:
@@ -387,11 +395,8 @@ class _Worker(threading.Thread):
         llama.n_tokens = prefix  # what differs from the cached tokens is evaluated again
         for done, start in enumerate(range(prefix, upto, chunk)):
             now = time.monotonic()
-            if job.cancel.is_set():
-                raise _Stop("cancelled", 0)
-            if stop_at is not None and now > stop_at:
-                raise _Stop("timeout", 0)
-            if energy is not None and energy.stop(now, done):
+            _stop_if_asked(job, stop_at, now, 0)
+            if energy is not None and energy.stop(now, done):  # counted in chunks here
                 raise _Stop.energy(energy, 0, "")
             llama.eval(tokens[start : min(start + chunk, upto)])
 
@@ -439,10 +444,7 @@ class _Worker(threading.Thread):
                     # string, the end of generation): its last token was never evaluated. The
                     # generation is over; nothing to stop or count.
                     return False
-                if job.cancel.is_set():
-                    raise _Stop("cancelled", generated)
-                if stop_at is not None and now > stop_at:
-                    raise _Stop("timeout", generated)
+                _stop_if_asked(job, stop_at, now, generated)
                 if energy is not None and energy.stop(now, generated):
                     # Out of the energy the reservation paid for: keep what was written so far.
                     out = llama.detokenize(
