@@ -320,6 +320,7 @@ def runner_config(settings: Settings) -> RunnerConfig:
         max_hops=r.max_hops,
         idempotency_retention=settings.bus.idempotency_retention,
         max_attempts=settings.bus.max_attempts,
+        context_max_bytes=settings.bus.context_max_bytes,
     )
 
 

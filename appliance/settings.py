@@ -46,8 +46,9 @@ class BusSettings(BaseModel):
 
     lease_seconds: float = Field(default=30.0, ge=1.0, le=86400.0)
     max_attempts: int = Field(default=5, ge=1, le=100)
-    retry_base_seconds: float = Field(default=2.0, gt=0)
-    retry_cap_seconds: float = Field(default=600.0, gt=0)
+    # Bounded so that a delay is always a valid interval (a week is already far past useful).
+    retry_base_seconds: float = Field(default=2.0, gt=0, le=604800.0)
+    retry_cap_seconds: float = Field(default=600.0, gt=0, le=604800.0)
     context_max_bytes: int = Field(default=DEFAULT_CONTEXT_MAX_BYTES, ge=1024)
     idempotency_retention_days: float = Field(default=90.0, gt=0)
     # Pending work older than this is expired instead of run (None: no limit for the lane).

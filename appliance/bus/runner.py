@@ -25,6 +25,7 @@ from appliance.bus.governor import Admission, Governor
 from appliance.bus.slots import LaneSlots
 from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld
 from appliance.domain.envelope import (
+    DEFAULT_CONTEXT_MAX_BYTES,
     EnqueueRequest,
     Lane,
     LeaseRef,
@@ -148,6 +149,7 @@ class RunnerConfig:
     # this many attempts for a stage that declares none.
     idempotency_retention: timedelta = timedelta(days=90)
     max_attempts: int = 5
+    context_max_bytes: int = DEFAULT_CONTEXT_MAX_BYTES
     # How long a message may wait in held_budget before it expires.
     budget_hold_max: timedelta = timedelta(days=32)
     # How soon work that found the cap held by calls in flight tries again.
@@ -1027,6 +1029,7 @@ class Runner:
                 directive=spawn.directive or message.directive,
                 context=spawn.context,
                 hops=message.hops + 1,
+                context_max_bytes=self.config.context_max_bytes,
                 key=idempotency_key(
                     message.source, message.source_id, f"{spawn.stage}#spawn:{spawn.key}"
                 ),
@@ -1143,8 +1146,8 @@ class Runner:
         await self._fail(attempt, "exceeded the stage's maximum runtime")
 
     async def _fail(self, attempt: _Attempt, error: str) -> None:
-        delay = self.retry.delay(attempt.message.attempts, self.rng)
         try:
+            delay = self.retry.delay(attempt.message.attempts, self.rng)
             await self.store.fail(
                 attempt.lease,
                 error=error,

@@ -29,6 +29,8 @@ class RetryPolicy:
     def delay(self, attempts: int, rng: random.Random | None = None) -> timedelta:
         """The wait after `attempts` failed attempts (attempts >= 1)."""
         exponent = min(max(attempts, 1) - 1, 32)
-        ceiling: timedelta = min(self.base * (2**exponent), self.cap)
+        # In float seconds, capped before it becomes a timedelta: base * 2**32 overflows one
+        # for any base above about 5.6 hours, and the failure could then never be recorded.
+        ceiling = min(self.base.total_seconds() * 2.0**exponent, self.cap.total_seconds())
         fraction = 0.5 + 0.5 * (rng or random).random()
-        return ceiling * fraction
+        return timedelta(seconds=ceiling * fraction)

@@ -447,6 +447,35 @@ async def test_spawned_work_is_enqueued_under_the_bus_settings(fresh_db: Endpoin
     ]
 
 
+async def spawns_big(ctx: StageContext) -> StageResult:
+    ctx.spawn("leaf", "big", context={"blob": "x" * 2000})
+    return ctx.finish()
+
+
+BIG = [Pipeline("big", (Stage("run", spawns_big, max_attempts=1), Stage("leaf", quick)))]
+
+
+async def test_spawned_work_is_held_to_the_configured_context_limit(fresh_db: Endpoints) -> None:
+    """The bus's context limit (lowered here) binds work a stage spawns as it binds work
+    enqueued from outside: the attempt fails naming the limit, and nothing is spawned."""
+    async with opened(fresh_db, BIG) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "big", "over"))
+        config = RunnerConfig(
+            worker_id="big", poll_interval=timedelta(seconds=1), context_max_bytes=1024
+        )
+        async with serving(store, BIG, config, None):
+            await wait_status(bus, r.id, MessageStatus.DEAD)
+        got = await bus.get("acme", r.id)
+        assert got is not None and got.error is not None
+        assert "context" in got.error and "1024" in got.error
+        async with store.db.system_conn() as conn:
+            leaves = await (
+                await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE stage = 'leaf'")
+            ).fetchone()
+        assert leaves == {"n": 0}
+
+
 flaky_calls: dict[str, list[float]] = {}
 
 

@@ -157,6 +157,17 @@ def test_retry_delay_within_half_jitter_band_and_capped(attempts: int, seed: int
     assert ceiling / 2 <= delay <= ceiling
 
 
+@given(st.integers(min_value=1, max_value=100), st.integers(min_value=0, max_value=2**32))
+def test_retry_delay_of_a_long_base_never_overflows(attempts: int, seed: int) -> None:
+    # base * 2**32 is past what a timedelta holds for any base over ~5.6 hours: the delay must
+    # still come back (capped), or a failure could never be recorded.
+    week = timedelta(days=7)
+    policy = RetryPolicy(base=timedelta(hours=6), cap=week)
+    delay = policy.delay(attempts, random.Random(seed))
+    ceiling = min(timedelta(hours=6) * 2 ** min(attempts - 1, 20), week)
+    assert ceiling / 2 <= delay <= ceiling
+
+
 def test_retry_policy_validates() -> None:
     with pytest.raises(InvalidInput, match=r"retry\.cap"):
         RetryPolicy(base=timedelta(seconds=10), cap=timedelta(seconds=1))

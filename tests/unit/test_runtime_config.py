@@ -15,10 +15,13 @@ from appliance.settings import BusSettings, Settings, settings_error_text
 
 
 def test_spawned_work_follows_the_same_bus_rules_as_enqueued_work() -> None:
-    settings = Settings(bus=BusSettings(idempotency_retention_days=3, max_attempts=7))
+    settings = Settings(
+        bus=BusSettings(idempotency_retention_days=3, max_attempts=7, context_max_bytes=2048)
+    )
     bus, runner = bus_config(settings), runner_config(settings)
     assert bus.idempotency_retention == runner.idempotency_retention == timedelta(days=3)
     assert bus.max_attempts == runner.max_attempts == 7
+    assert bus.context_max_bytes == runner.context_max_bytes == 2048
 
 
 def test_a_bad_crontab_line_stops_the_start_not_each_firing(
