@@ -238,7 +238,9 @@ class PgMessageStore:
         except psycopg.errors.ForeignKeyViolation as exc:
             # enqueue_requests names the unknown tenant in the error's detail.
             raise UnknownTenant(exc.diag.message_detail or ", ".join(sorted(tenants))) from None
-        except psycopg.errors.CheckViolation as exc:
+        except (psycopg.errors.CheckViolation, psycopg.errors.DataError) as exc:
+            # Validation should have caught it; as input the database refused, it stays the
+            # caller's error (and a group of callers' statement is retried one by one).
             problem = f"rejected by the database: {exc.diag.message_primary}"
             raise InvalidInput("message", problem) from None
         answers = [EnqueueResult(id=row[1], new=row[2]) for row in rows]

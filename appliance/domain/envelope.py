@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
@@ -124,6 +126,39 @@ _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
+def _json_key(key: object) -> str:
+    """The text JSON writes for an object key (as the encoder converts non-string keys)."""
+    if isinstance(key, str):
+        return str.__str__(key)
+    if key is True or key is False or key is None:
+        return json.dumps(key)
+    if isinstance(key, int):
+        return int.__repr__(key)
+    if isinstance(key, float):
+        return float.__repr__(key)
+    return repr(key)  # refused by the encoder anyway
+
+
+def _clashing_key(value: object) -> str | None:
+    """A key written twice in one object once non-string keys become text ({1: .., "1": ..}):
+    jsonb would keep only the last, silently dropping the other."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if not all(type(k) is str for k in item):
+                seen: set[str] = set()
+                for k in item:
+                    text = _json_key(k)
+                    if text in seen:
+                        return text
+                    seen.add(text)
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return None
+
+
 def encode_json(value: JSONValue, field_name: str) -> str:
     """Compact JSON text that jsonb can store, or an error naming the field."""
     if value is None:
@@ -134,6 +169,11 @@ def encode_json(value: JSONValue, field_name: str) -> str:
         raise InvalidInput(field_name, f"is not JSON-serialisable: {exc}") from None
     except RecursionError:
         raise InvalidInput(field_name, "is nested too deeply to encode as JSON") from None
+    clash = _clashing_key(value)
+    if clash is not None:
+        raise InvalidInput(
+            field_name, f"has two keys that are both {clash!r} once written as JSON text"
+        )
     if "\\u0000" in text and _ESCAPED_NUL.search(text):
         # PostgreSQL jsonb cannot hold NUL characters; say so here rather than fail at insert.
         raise InvalidInput(
@@ -178,6 +218,20 @@ def _check_int(field_name: str, value: object, low: int, high: int) -> None:
         raise InvalidInput(field_name, f"{value} is outside {low}..{high}")
 
 
+def _utc(field_name: str, moment: datetime | None) -> datetime | None:
+    """A moment with a time zone, as UTC: PostgreSQL refuses offsets Python accepts (16 hours
+    and more, fractions of a second), and that refusal would come from the database, after
+    validation, failing every request sent in the same statement."""
+    if moment is None:
+        return None
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        raise InvalidInput(field_name, "must carry a time zone (ISO 8601 with offset)")
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:
+        raise InvalidInput(field_name, f"{moment.isoformat()} is out of range") from None
+
+
 def encode_context(context: JSONValue, max_bytes: int) -> str:
     """The context as compact JSON text, refusing what is not JSON or is over the size limit."""
     text = encode_json(context, "context")
@@ -185,6 +239,26 @@ def encode_context(context: JSONValue, max_bytes: int) -> str:
     if size > max_bytes:
         raise InvalidInput("context", f"is {size} bytes, over the limit of {max_bytes} bytes")
     return text
+
+
+def _exact_float(text: str) -> float:
+    """A JSON number with a fraction or exponent, as the float it becomes: refused when that
+    float is not the number written (jsonb would keep the digits; the float would not, and
+    the context would silently change on its way in)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidInput("context", f"the number {text} is out of range for a 64-bit float")
+    if Decimal(repr(value)) != Decimal(text):
+        raise InvalidInput(
+            "context",
+            f"the number {text} cannot be kept exactly (it would become {value!r}); "
+            "send it as a string",
+        )
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise InvalidInput("context", f"{text} is not a JSON value")
 
 
 def decode_context(text: str | bytes, max_bytes: int) -> JSONValue:
@@ -203,7 +277,9 @@ def decode_context(text: str | bytes, max_bytes: int) -> JSONValue:
     if not text.isascii():
         _check_unicode("context", text)
     try:
-        return json.loads(text)
+        return json.loads(text, parse_float=_exact_float, parse_constant=_no_constant)
+    except InvalidInput:
+        raise
     except json.JSONDecodeError as exc:
         raise InvalidInput("context", f"is not valid JSON: {exc}") from None
     except RecursionError:
@@ -295,9 +371,8 @@ class EnqueueRequest:
                 raise InvalidInput(name, "contains a NUL character, which PostgreSQL cannot store")
             if not text.isascii():
                 _check_unicode(name, text)
-        for name, moment in (("not_before", not_before), ("deadline", deadline)):
-            if moment is not None and moment.tzinfo is None:
-                raise InvalidInput(name, "must carry a time zone (ISO 8601 with offset)")
+        not_before = _utc("not_before", not_before)
+        deadline = _utc("deadline", deadline)
         if deadline is not None:
             if now is not None and deadline <= now:
                 raise InvalidInput("deadline", f"{deadline.isoformat()} is not in the future")

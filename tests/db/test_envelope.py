@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
@@ -276,6 +276,23 @@ async def test_a_deadline_already_past_is_refused_without_an_injected_now(bus: B
         bus.request(deadline=past, **fields)
     result = await bus.enqueue(deadline=datetime.now(UTC) + timedelta(hours=1), **fields)
     assert result.new
+
+
+async def test_a_time_with_an_offset_postgresql_refuses_is_stored_as_its_instant(
+    bus: Bus,
+) -> None:
+    # +20:00 and a fractional-second offset pass Python but not PostgreSQL: sent as UTC, and
+    # (grouped with other callers' enqueues) failing none of them.
+    odd = timezone(timedelta(hours=20, microseconds=5))
+    deadline = datetime.now(odd) + timedelta(hours=2)
+    sent = [vars_of(req(bus, f"tz{i}")) for i in range(8)]
+    results = await asyncio.gather(
+        *(bus.enqueue(**f, **({"deadline": deadline} if i == 3 else {})) for i, f in
+          enumerate(sent))
+    )  # fmt: skip
+    assert all(r.new for r in results)
+    got = await bus.get("acme", results[3].id)
+    assert got is not None and got.deadline == deadline
 
 
 async def test_retry_backoff_then_dead_then_redrive(store: PgMessageStore, tenants) -> None:

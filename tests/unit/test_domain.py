@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from hypothesis import given
@@ -88,6 +88,10 @@ def _nested(depth: int) -> object:
         ({"to_agent": "\ud83d"}, "to_agent", "lone surrogate"),
         ({"context": {"a": ["é", "\ud800"]}}, "context", "lone surrogate"),
         ({"context": {"\udc00": 1}}, "context", "lone surrogate"),
+        # Keys that become the same text: jsonb would keep one and drop the other silently.
+        ({"context": {1: "a", "1": "b"}}, "context", "both '1'"),
+        ({"context": [{"x": {True: 1, "true": 2}}]}, "context", "both 'true'"),
+        ({"context": {"n": {None: 1, "null": 2}}}, "context", "both 'null'"),
         ({"source_id": ""}, "source_id", "1-512"),
         ({"pipeline": "Has Spaces"}, "pipeline", "not a valid name"),
         ({"max_attempts": 0}, "max_attempts", "outside 1..100"),
@@ -99,6 +103,17 @@ def _nested(depth: int) -> object:
         ({"hops": 2**31}, "hops", "outside 0..2147483647"),
         ({"context": _nested(5000)}, "context", "nested too deeply"),
         ({"deadline": datetime(2030, 1, 1)}, "deadline", "time zone"),
+        # Beyond what an offset can move within range (year 9999 late, or year 1 early).
+        (
+            {"deadline": datetime.max.replace(tzinfo=timezone(-timedelta(hours=23)))},
+            "deadline",
+            "out of range",
+        ),
+        (
+            {"not_before": datetime.min.replace(tzinfo=timezone(timedelta(hours=14)))},
+            "not_before",
+            "out of range",
+        ),
         (
             {
                 "deadline": datetime(2030, 1, 1, tzinfo=UTC),
@@ -125,6 +140,12 @@ def test_bad_input_names_field_and_limit(kw: dict[str, object], field: str, need
         ("[" * 5000 + "]" * 5000, "nested too deeply"),
         ("{not json", "not valid JSON"),
         ("é" * 600, "1200 bytes, over the limit of 1000 bytes"),  # bytes, not characters
+        # Numbers a float would change are refused, not silently rounded on the way in.
+        ('{"amount": 12345678901234567890.25}', "12345678901234567890.25 cannot be kept"),
+        ('{"rate": 0.10000000000000000000001}', "send it as a string"),
+        ('{"x": 1e400}', "1e400 is out of range"),
+        ('{"x": NaN}', "NaN is not a JSON value"),
+        ("[-Infinity]", "-Infinity is not a JSON value"),
     ],
 )
 def test_context_text_that_cannot_be_read_is_named_never_a_traceback(
@@ -135,6 +156,26 @@ def test_context_text_that_cannot_be_read_is_named_never_a_traceback(
     assert info.value.field == "context"
     assert needle in str(info.value)
     assert decode_context('{"a": [1, "é"]}'.encode(), 1000) == {"a": [1, "é"]}
+    exact = decode_context(
+        "[0.1, 1e5, 2.50, -0.0, 1.7976931348623157e308, 12345678901234567890]", 1000
+    )
+    assert exact == [0.1, 100000.0, 2.5, -0.0, 1.7976931348623157e308, 12345678901234567890]
+
+
+def test_keys_that_differ_once_written_are_kept() -> None:
+    r = build(context={1: "a", "2": "b", 1.5: "c", False: "d", "x": {None: 1}})
+    assert r.context_json == '{"1":"a","2":"b","1.5":"c","false":"d","x":{"null":1}}'
+
+
+def test_times_are_kept_in_utc_whatever_offset_they_came_with() -> None:
+    # PostgreSQL refuses offsets of 16 hours and more and fractions of a second, which Python
+    # accepts: the instant is kept, written in UTC.
+    odd = timezone(timedelta(hours=20, microseconds=5))
+    deadline = datetime(2030, 1, 2, 3, 4, 5, tzinfo=odd)
+    r = build(deadline=deadline, not_before=deadline - timedelta(hours=1))
+    assert r.deadline == deadline and r.deadline is not None
+    assert r.deadline.utcoffset() == timedelta(0)
+    assert r.not_before is not None and r.not_before.utcoffset() == timedelta(0)
 
 
 def test_deadline_in_the_past_is_refused_relative_to_now() -> None:
