@@ -51,6 +51,10 @@ eligible AS MATERIALIZED (
               WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
                 AND coalesce(m.tier, '') = o.tier AND m.tenant = r.tenant
                 AND m.not_before <= clock(%(now)s)
+                -- As `picked` takes: a tenant whose work is all late (the expirer's) is not
+                -- eligible, or it would take a share, be given nothing, stay least recently
+                -- served, and come first in every claim until the expirer caught up.
+                AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
               ORDER BY m.priority DESC, m.not_before, m.id LIMIT 1 OFFSET 0
           ) AS x)
     ORDER BY r.last_claimed_at NULLS FIRST, r.tenant

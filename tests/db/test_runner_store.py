@@ -232,6 +232,24 @@ async def test_small_tenant_served_before_busy_one_drains_a_quarter(
     assert big_before <= 20 + 4  # in fact within one claim of its arrival
 
 
+async def test_a_tenant_whose_work_is_all_late_takes_no_share_of_a_claim(
+    rstore: PgRunnerStore,
+) -> None:
+    """Late work waits for the expirer and is never claimed; its tenant must not take the
+    claim's place meanwhile (never served, it would come first in every claim)."""
+    bus = Bus(rstore)
+    soon = T0 + timedelta(seconds=1)
+    late = [req(bus, f"late{i}", deadline=soon, now=T0) for i in range(3)]
+    await bus.enqueue_many(late, now=T0)
+    await bus.enqueue_many([req(bus, "due", tenant="globex")], now=T0)
+    later = T0 + timedelta(seconds=5)
+    found = await rstore.claim_lane(
+        worker="w", lane=Lane.INTERACTIVE, limit=1, lease=LEASE, tenant_limit=100, now=later
+    )
+    assert [m.tenant for m in found.messages] == ["globex"]
+    assert not found.left_behind  # nothing claimable was left: the late work is not
+
+
 async def test_tenants_share_a_claim_round_robin(rstore: PgRunnerStore) -> None:
     bus = Bus(rstore)
     for tenant in ("acme", "globex", "small"):
