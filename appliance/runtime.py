@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ from appliance.db.runner_store import PgRunnerStore
 from appliance.db.spend_store import PgCalibrationStore, PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.cost import Amortisation, Pricing, Tariff, TimeOfUse
-from appliance.domain.errors import ConfigurationError
+from appliance.domain.errors import ClusterError, ConfigurationError
 from appliance.domain.inference import InferenceRequest, Tier
 from appliance.domain.pipeline import Pipeline, Registry
 from appliance.domain.schedule import Schedule
@@ -71,8 +72,15 @@ def endpoints(settings: Settings) -> Endpoints:
 
 
 def pg_tool(settings: Settings, name: str) -> str:
-    """A PostgreSQL client program (psql, pg_dump) from the server binaries found."""
-    return str(find_bindir(settings.db.pg_bindir) / name)
+    """A PostgreSQL client program (psql, pg_dump): from the server binaries found, or, for an
+    external server (which needs no local server package), from PATH."""
+    try:
+        return str(find_bindir(settings.db.pg_bindir) / name)
+    except ClusterError:
+        found = shutil.which(name) if settings.db.url else None
+        if found is None:
+            raise
+        return found
 
 
 def bus_config(settings: Settings) -> BusConfig:

@@ -221,6 +221,8 @@ class Settings(BaseSettings):
         extra="ignore",
         # `none` sets an optional setting to None (history_retention_days: keep for ever).
         env_parse_none_str="none",
+        # An empty variable is unset (APPLIANCE_PG_BINDIR= read as the current folder).
+        env_ignore_empty=True,
     )
 
     state_dir: Path = Field(default_factory=default_state_dir)

@@ -301,7 +301,16 @@ class LocalCluster:
         self._blocker: Path | None = None
         real: dict[str, Path] = {}
         for name in ("pg", "run", "log"):
-            target = (self.state_dir / name).resolve()
+            link = self.state_dir / name
+            if name == "pg" and link.is_symlink() and not link.exists():
+                # The fallback folder holding the cluster is gone (an aged /var/tmp, a new
+                # machine with the old state volume): never make an empty cluster in its
+                # place, in a folder anyone may have created since.
+                raise ClusterError(
+                    f"the cluster folder {os.readlink(link)} linked from {link} is gone: "
+                    f"restore it, or remove {link} to create a new, empty cluster"
+                )
+            target = link.resolve()
             reason = self._needs_fallback(name, target)
             if reason is not None:
                 target = self._fallback_root / name
@@ -310,6 +319,8 @@ class LocalCluster:
             real[name] = target
         if self._fallen_back:
             self._check_fallback_usable()
+        # Folders in the fallback, newly or by links made before: checked as private either way.
+        self._in_fallback = any(p.is_relative_to(self._fallback_root) for p in real.values())
 
         self.data_dir: Path = real["pg"] / "data"
         self.socket_dir: Path = real["run"]
@@ -324,7 +335,7 @@ class LocalCluster:
                 return f"the {self._user.name} user cannot pass through {blocker}"
         if name == "run":
             socket_path = f"{target}/.s.PGSQL.{self.port}"
-            if len(socket_path) >= _MAX_SOCKET_PATH:
+            if len(os.fsencode(socket_path)) >= _MAX_SOCKET_PATH:  # the kernel counts bytes
                 return f"socket path {socket_path} is too long for a Unix socket"
         return None
 
@@ -355,7 +366,7 @@ class LocalCluster:
         """Create the folders the server needs, owned by the server's user, plus fallback links."""
         try:
             _mkdirs(self.state_dir)
-            if self._fallen_back:
+            if self._in_fallback:
                 _mkdirs(self._fallback_root)
                 st = self._fallback_root.lstat()
                 # /var/tmp is world-writable: never use a folder someone else planted there.
@@ -762,8 +773,8 @@ class LocalCluster:
             self._start(timeout)
 
     def _start(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         self.init()
+        deadline = time.monotonic() + timeout  # for the start: a first initdb is not counted
         pid = self._live_pid()
         if pid is not None:
             self._check_running_matches()
@@ -793,6 +804,14 @@ class LocalCluster:
             what="pg_ctl start",
         )
         if result.returncode != 0:
+            if self._live_pid() is not None:
+                # pg_ctl gave up waiting, but the server runs: crash recovery of a large WAL
+                # can outlast any timeout. Stopping it would only lose the work done so far.
+                raise ClusterError(
+                    f"PostgreSQL is still starting after {timeout:g} s (crash recovery can take"
+                    " a while; see the log): run `appliance db start` again to wait for it;"
+                    f" last lines of {self.log_file}:\n{self._log_tail()}"
+                )
             raise ClusterError(
                 f"PostgreSQL did not start (pg_ctl exit {result.returncode}: "
                 f"{(result.stderr or result.stdout).strip()[-500:]}); "
@@ -818,6 +837,17 @@ class LocalCluster:
                     f"the cluster in {self.data_dir} is already running on port {running_port} "
                     f"(socket {running_socket}), not port {self.port} (socket {self.socket_dir}): "
                     "stop it first so the new settings apply"
+                )
+        if len(lines) >= 6:
+            # The first TCP address it listens on ('' for none), against the one configured.
+            running_tcp = lines[5].strip()
+            configured = self.extra_conf.get("listen_addresses", self.listen_addresses)
+            wanted_tcp = configured.split(",")[0].strip()
+            if running_tcp != wanted_tcp:
+                raise ClusterError(
+                    f"the cluster in {self.data_dir} is already running listening on TCP"
+                    f" {running_tcp or '(none)'}, not {wanted_tcp or '(none)'}: stop it first"
+                    " so the new settings apply"
                 )
 
     def _wait_ready(self, deadline: float) -> None:
@@ -981,8 +1011,11 @@ class LocalCluster:
                             sql.Identifier(name), sql.Identifier(ADMIN_USER)
                         )
                     )
-                except psycopg.errors.DuplicateDatabase:
-                    return False  # created concurrently by another process
+                except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+                    # Created concurrently by another process: the server's name check before
+                    # its catalog insert is racy, so the loser may get the catalog's unique
+                    # index violation instead of DuplicateDatabase.
+                    return False
         except psycopg.OperationalError as exc:
             raise ClusterError(
                 f"cannot reach the local cluster at {self.socket_dir} port {self.port} to "

@@ -233,6 +233,36 @@ def test_fallback_when_parent_blocks_postgres_user(
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="the traversal fallback only applies when run as root")
+def test_a_vanished_fallback_is_refused_never_replaced_by_an_empty_cluster(
+    reachable_dir: Path,
+) -> None:
+    """The fallback under /var/tmp may be aged away while state/pg still links to it: a start
+    must say so, not make a new empty cluster there (in a folder anyone may have made since)."""
+    locked = reachable_dir / "locked"
+    locked.mkdir(mode=0o700)
+    locked.chmod(0o700)
+    state = locked / "state"
+    c = _fast_cluster(state)
+    fallback = c.data_dir.parent.parent
+    try:
+        c.start()
+        c.stop()
+        shutil.rmtree(fallback)
+        (fallback).mkdir(mode=0o777)  # planted by someone else meanwhile
+        fallback.chmod(0o777)
+        with pytest.raises(ClusterError, match=r"linked from .*/pg is gone: restore it"):
+            _fast_cluster(state).start()
+        assert list(fallback.iterdir()) == []  # nothing made in the planted folder
+        # Links into the fallback are checked as the fresh fallback is: a planted folder that
+        # holds a pg folder too is refused, never used.
+        (fallback / "pg").mkdir()
+        with pytest.raises(ClusterError, match="is not a private folder of this user"):
+            _fast_cluster(state).start()
+    finally:
+        shutil.rmtree(fallback, ignore_errors=True)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the traversal fallback only applies when run as root")
 def test_error_names_folder_when_fallback_blocked_too(
     reachable_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -258,6 +288,14 @@ def test_running_cluster_on_other_port_is_reported(cluster: LocalCluster) -> Non
     assert cluster.status().running
 
 
+def test_turning_tcp_on_while_running_says_to_stop_first(cluster: LocalCluster) -> None:
+    cluster.start()
+    tcp = LocalCluster(cluster.state_dir, port=PORT, listen_addresses="127.0.0.1")
+    with pytest.raises(ClusterError, match=r"listening on TCP \(none\), not 127.0.0.1: stop"):
+        tcp.start(timeout=5)
+    _fast_cluster(cluster.state_dir).start(timeout=5)  # the same settings: running, fine
+
+
 def test_long_socket_path_falls_back(reachable_dir: Path) -> None:
     state = reachable_dir / ("s" * 80) / "state"
     c = LocalCluster(state, port=PORT)
@@ -265,6 +303,14 @@ def test_long_socket_path_falls_back(reachable_dir: Path) -> None:
     assert c.socket_dir == Path("/var/tmp") / f"appliance-{digest}" / "run"
     assert c.data_dir == state.resolve() / "pg" / "data"
     assert f"host={c.socket_dir} " in c.conninfo()
+
+
+def test_a_socket_path_too_long_in_bytes_falls_back(reachable_dir: Path) -> None:
+    # Under 100 characters, over 100 bytes: the kernel's limit is in bytes.
+    state = reachable_dir / ("é" * 30) / "state"
+    assert len(str(state)) < 80 < len(os.fsencode(state))
+    c = LocalCluster(state, port=PORT)
+    assert c.socket_dir.is_relative_to(Path("/var/tmp"))
 
 
 def test_find_bindir(reachable_dir: Path) -> None:
@@ -297,6 +343,35 @@ def test_ensure_database(cluster: LocalCluster) -> None:
     for bad in ("Bad", "1abc", "a-b", 'x"; DROP DATABASE postgres; --', "", "a" * 64):
         with pytest.raises((ClusterError, ValueError)):
             cluster.ensure_database(bad)
+
+
+def test_ensure_database_at_once_from_two_processes(cluster: LocalCluster) -> None:
+    # As two `appliance db start` do: the loser of the server's racy name check gets a unique
+    # violation of the catalog, which is "created meanwhile", not an error.
+    cluster.start()
+    for round_ in range(6):
+        name = f"raced_{round_}"
+        barrier = threading.Barrier(2)
+        answers: list[object] = []
+
+        def create(
+            name: str = name,
+            barrier: threading.Barrier = barrier,
+            answers: list[object] = answers,
+        ) -> None:
+            other = _fast_cluster(cluster.state_dir)
+            barrier.wait()
+            try:
+                answers.append(other.ensure_database(name))
+            except BaseException as exc:  # reported below
+                answers.append(exc)
+
+        threads = [threading.Thread(target=create) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(answers, key=str) == [False, True], answers
 
 
 def test_ensure_database_needs_running_cluster(reachable_dir: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from appliance import runtime
-from appliance.domain.errors import ConfigurationError
+from appliance.domain.errors import ClusterError, ConfigurationError
 from appliance.runtime import bus_config, runner_config
 from appliance.settings import BusSettings, Settings, settings_error_text
 
@@ -62,3 +62,27 @@ def test_history_retention_is_read_from_the_environment_and_checked(
     )
     monkeypatch.setenv("APPLIANCE_BUS__IDEMPOTENCY_RETENTION_DAYS", "3")
     assert Settings().runner.history_retention_days == 3
+
+
+def test_an_empty_variable_is_unset_not_the_current_folder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("APPLIANCE_PG_BINDIR", "")
+    monkeypatch.setenv("APPLIANCE_DATABASE_URL", "")
+    settings = Settings()
+    assert settings.db.pg_bindir is None and settings.db.url is None
+
+
+def test_psql_for_an_external_server_needs_no_server_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the client on PATH; the bindir given lacks the server binaries.
+    (tmp_path / "psql").write_text("#!/bin/sh\n")
+    (tmp_path / "psql").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("APPLIANCE_PG_BINDIR", str(tmp_path))
+    local = Settings()
+    with pytest.raises(ClusterError):
+        runtime.pg_tool(local, "psql")  # a local cluster: its own server's tools, or an error
+    monkeypatch.setenv("APPLIANCE_DATABASE_URL", "postgresql://db.example/appliance")
+    assert runtime.pg_tool(Settings(), "psql") == str(tmp_path / "psql")
