@@ -366,10 +366,20 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             # from "nothing to do".
             raise UnknownTenant(tenant)
         if args.bus_action == "redrive":
-            moved = await svc.bus.redrive(args.tenant, args.ids or None)
+            done = await svc.bus.redrive(
+                args.tenant, args.ids or None, clear_deadline=args.clear_deadline
+            )
+            moved = done.moved
             print(f"redriven: {len(moved)}" + (f" ({', '.join(map(str, moved))})" if moved else ""))
+            for message_id in done.past_deadline:
+                print(
+                    f"message {message_id} not redriven: its deadline has passed, so it would"
+                    " expire unrun (add --clear-deadline to run it without one)",
+                    file=sys.stderr,
+                )
+            late = set(done.past_deadline)
             left = [i for i in dict.fromkeys(args.ids) if i not in set(moved)]
-            for message_id in left:
+            for message_id in (i for i in left if i not in late):
                 message = await svc.bus.get(args.tenant, message_id)
                 why = (
                     f"not found for tenant {args.tenant}"
@@ -377,7 +387,7 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
                     else f"is {message.status.value}, not dead"
                 )
                 print(f"message {message_id} not redriven: {why}", file=sys.stderr)
-            return 1 if left else 0
+            return 1 if left or late else 0
         elif args.bus_action == "cancel":
             ok = await svc.bus.cancel(args.tenant, args.id, reason=args.reason)
             print("cancelled" if ok else "not cancelled (absent, another tenant's, or finished)")
@@ -589,6 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
     redrive = bs.add_parser("redrive", help="send dead messages back to pending")
     redrive.add_argument("--tenant", required=True)
     redrive.add_argument("ids", nargs="*", type=int, help="message ids (default: all dead)")
+    redrive.add_argument(
+        "--clear-deadline",
+        action="store_true",
+        help="also redrive dead messages whose deadline has passed, removing it",
+    )
     cancel = bs.add_parser("cancel", help="cancel a message in any non-terminal state")
     cancel.add_argument("--tenant", required=True)
     cancel.add_argument("id", type=int)

@@ -31,6 +31,7 @@ from appliance.domain.ports import (
     FailOutcome,
     HeartbeatResult,
     MessageStore,
+    Redrive,
 )
 from appliance.domain.retry import RetryPolicy
 
@@ -200,10 +201,15 @@ class Bus:
         *,
         actor: str = "operator",
         now: datetime | None = None,
-    ) -> list[int]:
+        clear_deadline: bool = False,
+    ) -> Redrive:
         """Dead messages back to pending with fresh attempts (all the tenant's dead ones when
-        no ids are given); the ids moved. A message that is not dead is left as it is."""
-        return await self.store.redrive(tenant, message_ids, actor=actor, now=now)
+        no ids are given). A message that is not dead is left as it is, and so is one whose
+        deadline has passed (it would only expire unrun) unless `clear_deadline` removes its
+        deadline."""
+        return await self.store.redrive(
+            tenant, message_ids, actor=actor, now=now, clear_deadline=clear_deadline
+        )
 
     async def get(self, tenant: str, message_id: int) -> Message | None:
         return await self.store.get(tenant, message_id)

@@ -35,6 +35,7 @@ from appliance.domain.ports import (
     HeartbeatResult,
     LaneClaim,
     LaneCounts,
+    Redrive,
 )
 
 SYSTEM_ACTOR = "bus"
@@ -490,16 +491,21 @@ class PgMessageStore:
         *,
         actor: str = "operator",
         now: datetime | None = None,
-    ) -> list[int]:
-        """Dead messages of a tenant back to pending with fresh attempts; the ids moved."""
+        clear_deadline: bool = False,
+    ) -> Redrive:
+        """Dead messages of a tenant back to pending with fresh attempts."""
         params = {
             "ids": list(message_ids) if message_ids is not None else None,
             "actor": actor,
             "now": now,
+            "clear_deadline": clear_deadline,
         }
         async with self.db.tenant_tx(tenant) as conn:
             rows = await (await conn.execute(q("message_redrive"), params)).fetchall()
-        return sorted(r["id"] for r in rows)
+        return Redrive(
+            moved=sorted(r["id"] for r in rows if r["moved"]),
+            past_deadline=sorted(r["id"] for r in rows if not r["moved"]),
+        )
 
     async def get(self, tenant: str, message_id: int) -> Message | None:
         """One message as the tenant sees it (None when absent or another tenant's)."""

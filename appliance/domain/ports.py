@@ -114,6 +114,15 @@ class RunnerInfo:
 
 
 @dataclass(frozen=True)
+class Redrive:
+    """What a redrive did: the dead messages sent back to pending, and the dead ones it left
+    because their deadline has passed (they would expire unrun; redrive them clearing it)."""
+
+    moved: list[int]
+    past_deadline: list[int]
+
+
+@dataclass(frozen=True)
 class BusStatus:
     """The bus at a glance (appliance status)."""
 
@@ -183,8 +192,14 @@ class MessageStore(Protocol):
     ) -> int: ...
 
     async def redrive(
-        self, tenant: str, message_ids: Sequence[int] | None, *, actor: str, now: datetime | None
-    ) -> list[int]: ...
+        self,
+        tenant: str,
+        message_ids: Sequence[int] | None,
+        *,
+        actor: str,
+        now: datetime | None,
+        clear_deadline: bool = False,
+    ) -> Redrive: ...
 
     async def get(self, tenant: str, message_id: int) -> Message | None: ...
 

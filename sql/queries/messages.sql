@@ -212,9 +212,11 @@ SELECT count(*) AS promoted,
 FROM promoted;
 
 -- name: message_redrive :many
--- Send dead messages back to pending with fresh attempts (all of the tenant's dead ones when `ids` is NULL).
+-- Send dead messages back to pending with fresh attempts (all of the tenant's dead ones when `ids` is NULL); one past its deadline only with `clear_deadline` (which removes it): otherwise it would be reported redriven, then expire unrun. Rows: (id, moved), the ones left for their deadline with moved = false.
+WITH moved AS (
 UPDATE agent_messages
 SET status = 'pending',
+    deadline = CASE WHEN %(clear_deadline)s::boolean THEN NULL ELSE deadline END,
     attempts = 0,
     not_before = coalesce(%(now)s::timestamptz, now()),
     deferred = false,
@@ -224,7 +226,17 @@ SET status = 'pending',
     status_actor = %(actor)s
 WHERE status = 'dead'
   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-RETURNING id;
+  AND (%(clear_deadline)s::boolean OR deadline IS NULL
+       OR deadline > coalesce(%(now)s::timestamptz, now()))
+RETURNING id
+)
+SELECT id, true AS moved FROM moved
+UNION ALL
+-- As of the statement's snapshot, so never a row moved above (it had no passed deadline).
+SELECT id, false FROM agent_messages
+WHERE status = 'dead' AND NOT %(clear_deadline)s::boolean
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND deadline <= coalesce(%(now)s::timestamptz, now());
 
 -- name: bus_overdue :one
 -- Work past an expiry that the maintenance has not moved yet (each counted up to 10,000, on its partial index): leases expired, deferred work due but not promoted, work past its deadline, waits past their expiry. Non-zero for long means no runner's maintenance is running.

@@ -17,7 +17,7 @@ from appliance.db.message_store import PgMessageStore, _enqueue_params
 from appliance.db.queries import q
 from appliance.domain.envelope import LEGAL_TRANSITIONS, Lane, MessageStatus
 from appliance.domain.errors import InvalidInput, UnknownTenant
-from appliance.domain.ports import AckOutcome, Completion, FailOutcome
+from appliance.domain.ports import AckOutcome, Completion, FailOutcome, Redrive
 from appliance.domain.retry import RetryPolicy
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
@@ -319,9 +319,36 @@ async def test_retry_backoff_then_dead_then_redrive(store: PgMessageStore, tenan
     assert await bus.fail(m, "boom 3", now=at) is FailOutcome.DEAD
     dead = await bus.get("acme", m.id)
     assert dead is not None and dead.status is MessageStatus.DEAD and dead.error == "boom 3"
-    assert await bus.redrive("acme", now=at) == [m.id]
+    assert (await bus.redrive("acme", now=at)).moved == [m.id]
     (m,) = await bus.claim("w", now=at)
     assert m.attempts == 1
+
+
+async def test_redrive_leaves_work_past_its_deadline_unless_told_to_clear_it(
+    store: PgMessageStore, tenants
+) -> None:
+    """Redriven past its deadline, a message would be reported redriven, then expire unrun:
+    it stays dead and is named, unless the redrive clears its deadline."""
+    await tenants.add("acme")
+    bus = Bus(store, BusConfig(max_attempts=1))
+    late = await bus.enqueue(
+        now=T0, deadline=T0 + timedelta(minutes=1), **vars_of(req(bus, "late"))
+    )
+    fine = await bus.enqueue(now=T0, **vars_of(req(bus, "fine")))
+    for m in await bus.claim("w", limit=2, now=T0):
+        assert await bus.fail(m, "boom", now=T0) is FailOutcome.DEAD
+    after = T0 + timedelta(minutes=2)
+    assert await bus.redrive("acme", now=after) == Redrive([fine.id], [late.id])
+    assert await bus.redrive("acme", [late.id], now=after) == Redrive([], [late.id])
+    still = await bus.get("acme", late.id)
+    assert still is not None and still.status is MessageStatus.DEAD
+    assert await bus.redrive("acme", [late.id], now=after, clear_deadline=True) == Redrive(
+        [late.id], []
+    )
+    again = await bus.get("acme", late.id)
+    assert again is not None and again.status is MessageStatus.PENDING
+    assert again.deadline is None
+    assert await bus.expire(now=after) == 0  # nothing left to expire it for
 
 
 async def test_expire_deadline_and_queue_age(store: PgMessageStore, tenants) -> None:

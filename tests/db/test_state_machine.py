@@ -381,7 +381,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
             if m.status is S.DEAD and (target_id is None or m.id == target_id)
         ]
         ids = None if target_id is None else [target_id]
-        moved = self.run(self.bus.redrive(TENANT, ids, now=self.now))
+        moved = self.run(self.bus.redrive(TENANT, ids, now=self.now)).moved
         assert moved == sorted(m.id for m in dead)
         for m in dead:
             m.reset_by_redrive += m.attempts

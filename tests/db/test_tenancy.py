@@ -14,6 +14,7 @@ from appliance.db.database import RUNTIME_OPTIONS, Database, Endpoints
 from appliance.db.message_store import _enqueue_params
 from appliance.db.queries import q
 from appliance.domain.envelope import Lane
+from appliance.domain.ports import Redrive
 from tests.db.plans import PENDING_INDEX, read_by
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
@@ -60,8 +61,8 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
         assert await bus.get("acme", mid) is None
         assert await bus.store.transitions("acme", mid) == []  # type: ignore[attr-defined]
         assert not await bus.cancel("acme", mid)
-    assert await bus.redrive("acme", theirs) == []
-    assert await bus.redrive("acme") == []
+    assert await bus.redrive("acme", theirs) == Redrive([], [])
+    assert await bus.redrive("acme") == Redrive([], [])
     # A tenant-scoped claim only ever leases the tenant's own work.
     got = await bus.claim("w", tenant="acme", limit=100, now=T0)
     assert {m.tenant for m in got} == {"acme"}
