@@ -76,6 +76,13 @@ def _ack(applied: bool, status: str | None, same_lease: bool | None) -> AckOutco
     return AckOutcome.STALE
 
 
+def _raced(applied: bool, status: str | None, same_lease: bool | None) -> bool:
+    """A write under a lease that changed nothing though its snapshot shows the lease still
+    running: it waited behind another statement (a cancel, a reclaim) that changed the row, and
+    only a fresh read can say what that was."""
+    return not applied and bool(same_lease) and status == MessageStatus.RUNNING
+
+
 def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
@@ -390,7 +397,21 @@ class PgMessageStore:
             cur = conn.cursor(row_factory=tuple_row)  # (id, applied, status, same_lease)
             rows = await (await cur.execute(q("message_complete"), params)).fetchall()
         by_id = {r[0]: _ack(r[1], r[2], r[3]) for r in rows}
+        raced = [r[0] for r in rows if _raced(r[1], r[2], r[3])]
+        if raced:
+            tokens = {c.lease.message_id: c.lease.lease_token for c in completions}
+            for mid, status, token in await self._lease_states(raced):
+                by_id[mid] = _ack(False, status, token == tokens[mid])
         return [by_id[c.lease.message_id] for c in completions]
+
+    async def _lease_states(self, ids: Sequence[int]) -> list[tuple[int, str, int | None]]:
+        """(id, status, lease token) as of now, for writes that raced another statement."""
+        async with self.db.system_conn() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            rows = await (
+                await cur.execute(q("message_lease_states"), {"ids": list(ids)})
+            ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
 
     async def fail(
         self,
@@ -416,7 +437,13 @@ class PgMessageStore:
             return FailOutcome.STALE
         if row["new_status"] is not None:
             return FailOutcome.DEAD if row["new_status"] == "dead" else FailOutcome.RETRY
-        if row["same_lease"] and row["status"] == MessageStatus.CANCELLED:
+        status, same_lease = row["status"], row["same_lease"]
+        if _raced(False, status, same_lease):
+            fresh = await self._lease_states([lease.message_id])
+            if fresh:
+                (_, status, token), *_ = fresh
+                same_lease = token == lease.lease_token
+        if same_lease and status == MessageStatus.CANCELLED:
             return FailOutcome.CANCELLED
         return FailOutcome.STALE
 

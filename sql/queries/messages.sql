@@ -71,6 +71,10 @@ SELECT (SELECT status FROM failed) AS new_status, m.status, m.lease_token = %(to
 FROM agent_messages m
 WHERE m.id = %(id)s;
 
+-- name: message_lease_states :many
+-- Messages' status and lease token as of now: the answer for a write under a lease that waited behind another statement (a cancel) and found its row changed; its own snapshot still shows the row as it was.
+SELECT id, status, lease_token FROM agent_messages WHERE id = ANY(%(ids)s::bigint[]);
+
 -- name: message_cancel :one
 -- Cancel a message in any non-terminal state; a running holder learns it at its next heartbeat or write.
 UPDATE agent_messages

@@ -234,6 +234,28 @@ async def test_stale_worker_cannot_write(bus: Bus) -> None:
     ]
 
 
+@pytest.mark.parametrize("write", ["complete", "fail"])
+async def test_a_write_that_waited_behind_a_cancel_is_told_cancelled(
+    bus: Bus, db: Database, write: str
+) -> None:
+    """The write waits on the cancel's row lock and changes nothing; its own snapshot still
+    shows the lease running, so the answer comes from a fresh read: cancelled, not stale."""
+    await bus.enqueue(**vars_of(req(bus, f"race-{write}")))
+    (m,) = await bus.claim("w")
+    async with db.tenant_tx("acme") as conn:
+        params = {"id": m.id, "reason": "operator", "actor": "op", "now": None}
+        assert await (await conn.execute(q("message_cancel"), params)).fetchone() is not None
+        pending = asyncio.ensure_future(
+            bus.complete(m.lease) if write == "complete" else bus.fail(m, "boom")
+        )
+        await asyncio.sleep(0.3)  # the write is waiting for this transaction's row lock
+        assert not pending.done()
+    outcome = await pending
+    assert outcome in (AckOutcome.CANCELLED, FailOutcome.CANCELLED)
+    got = await bus.get("acme", m.id)
+    assert got is not None and got.status is MessageStatus.CANCELLED
+
+
 async def test_heartbeat_extends_and_reports_cancel(bus: Bus) -> None:
     await bus.enqueue(now=T0, **vars_of(req(bus, "hb")))
     (m,) = await bus.claim("w", lease=timedelta(seconds=10), now=T0)
