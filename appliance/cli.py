@@ -122,6 +122,9 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
         note = " (database created)" if created else ""
         print(f"database: running, pid {st.pid}, socket {st.socket_dir}, port {st.port}{note}")
     elif action == "stop":
+        if not cluster.state_dir.exists():
+            print(f"database: no cluster in {cluster.state_dir} (nothing to stop)")
+            return 0
         cluster.stop()
         print("database: stopped")
     elif action == "status":

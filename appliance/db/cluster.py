@@ -428,8 +428,20 @@ class LocalCluster:
 
     def _bin(self, name: str) -> Path:
         if self._bindir is None:
-            self._bindir = find_bindir(self._bindir_override)
+            self._bindir = self._cluster_bindir() or find_bindir(self._bindir_override)
         return self._bindir / name
+
+    def _cluster_bindir(self) -> Path | None:
+        """The binaries of the major version that made this cluster, when several are
+        installed: the newest (the search's first choice) cannot run an older cluster's data."""
+        if self._bindir_override is not None and str(self._bindir_override) != "":
+            return None  # the operator chose
+        try:
+            version = (self.data_dir / "PG_VERSION").read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+        candidate = _DEBIAN_ROOT / version / "bin"
+        return candidate if version and _has_server_binaries(candidate) else None
 
     def _run(
         self, argv: Sequence[str | Path], *, timeout: float, what: str
@@ -872,6 +884,8 @@ class LocalCluster:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the cluster: fast shutdown, then immediate if that takes longer than timeout."""
+        if not self.state_dir.exists():
+            return  # nothing to stop; a mistyped state dir must not be created by looking
         self._check_owner()
         with self._locked():
             self._stop(timeout)

@@ -313,6 +313,35 @@ def test_a_socket_path_too_long_in_bytes_falls_back(reachable_dir: Path) -> None
     assert c.socket_dir.is_relative_to(Path("/var/tmp"))
 
 
+def test_a_cluster_runs_on_the_binaries_of_the_version_that_made_it(
+    reachable_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With 15 and a newer major installed, the search finds the newer one first; a cluster
+    # made by 15 must still run on 15's binaries (the newer cannot read its data).
+    assert BINDIR is not None
+    root = reachable_dir / "lib"
+    for version in ("15", "99"):
+        (root / version / "bin").mkdir(parents=True)
+        for name in ("initdb", "pg_ctl", "postgres"):
+            (root / version / "bin" / name).symlink_to(BINDIR / name)
+    monkeypatch.setattr("appliance.db.cluster._DEBIAN_ROOT", root)
+    monkeypatch.setattr("appliance.db.cluster.find_bindir", lambda override=None: root / "99/bin")
+    c = LocalCluster(reachable_dir / "state", port=PORT)
+    assert c._bin("pg_ctl") == root / "99/bin/pg_ctl"  # no cluster yet: the newest
+    c.data_dir.mkdir(parents=True)
+    (c.data_dir / "PG_VERSION").write_text("15\n")
+    again = LocalCluster(reachable_dir / "state", port=PORT)
+    assert again._bin("pg_ctl") == root / "15/bin/pg_ctl"
+
+
+def test_stop_of_a_state_dir_that_does_not_exist_says_so_and_makes_nothing(
+    reachable_dir: Path,
+) -> None:
+    typo = reachable_dir / "stat"
+    _fast_cluster(typo).stop()
+    assert not typo.exists()
+
+
 def test_find_bindir(reachable_dir: Path) -> None:
     assert find_bindir() == Path("/usr/lib/postgresql/15/bin")
     assert find_bindir(BINDIR) == BINDIR

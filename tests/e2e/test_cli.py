@@ -113,6 +113,10 @@ def state_dir() -> Iterator[Path]:
 def test_local_cluster_lifecycle_from_the_cli(state_dir: Path) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     env = {**clean, "APPLIANCE_STATE_DIR": str(state_dir), "APPLIANCE_DB__PORT": "5433"}
+    typo = {**env, "APPLIANCE_STATE_DIR": str(state_dir / "typo")}
+    assert "no cluster in" in run(typo, "db", "stop").stdout
+    assert run(typo, "db", "status", check=False).returncode == 3
+    assert not (state_dir / "typo").exists()  # looking made nothing
     try:
         assert run(env, "db", "status", check=False).returncode == 3
         assert "running" in run(env, "db", "start").stdout
