@@ -90,7 +90,15 @@ def idempotency_key(source: str, source_id: str, stage: str) -> str:
     return "k1:" + hashlib.sha256(raw.encode()).hexdigest()
 
 
+def _check_text(field_name: str, value: object) -> None:
+    """Text where text is due: a number or None from Python callers is named here, not met
+    as an AttributeError further on."""
+    if not isinstance(value, str):
+        raise InvalidInput(field_name, f"must be text, got {type(value).__name__}")
+
+
 def _check_name(field_name: str, value: str) -> str:
+    _check_text(field_name, value)
     if not NAME_RE.match(value):
         raise InvalidInput(
             field_name,
@@ -340,6 +348,16 @@ class EnqueueRequest:
         _check_name("pipeline", pipeline)
         _check_name("stage", stage)
         _check_name("source", source)
+        texts = (
+            ("source_id", source_id),
+            ("directive", directive),
+            ("idempotency_key", key),
+            ("from_agent", from_agent),
+            ("to_agent", to_agent),
+        )
+        for name, text in texts:
+            if text is not None or name in ("source_id", "directive"):
+                _check_text(name, text)
         if not source_id or len(source_id) > SOURCE_ID_MAX_CHARS:
             raise InvalidInput("source_id", f"must be 1-{SOURCE_ID_MAX_CHARS} characters")
         if not directive or not directive.strip():
@@ -358,13 +376,7 @@ class EnqueueRequest:
         for name, agent in (("from_agent", from_agent), ("to_agent", to_agent)):
             if agent is not None and not (0 < len(agent) <= 200):
                 raise InvalidInput(name, "must be 1-200 characters")
-        for name, text in (
-            ("source_id", source_id),
-            ("directive", directive),
-            ("idempotency_key", key),
-            ("from_agent", from_agent),
-            ("to_agent", to_agent),
-        ):
+        for name, text in texts:
             if text is None:
                 continue
             if "\x00" in text:

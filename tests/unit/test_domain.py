@@ -93,6 +93,11 @@ def _nested(depth: int) -> object:
         ({"context": [{"x": {True: 1, "true": 2}}]}, "context", "both 'true'"),
         ({"context": {"n": {None: 1, "null": 2}}}, "context", "both 'null'"),
         ({"source_id": ""}, "source_id", "1-512"),
+        # Python callers' non-text values, named rather than met as AttributeError.
+        ({"directive": 7}, "directive", "must be text, got int"),
+        ({"source_id": None}, "source_id", "must be text, got NoneType"),
+        ({"tenant": 1}, "tenant", "must be text, got int"),
+        ({"to_agent": b"x"}, "to_agent", "must be text, got bytes"),
         ({"pipeline": "Has Spaces"}, "pipeline", "not a valid name"),
         ({"max_attempts": 0}, "max_attempts", "outside 1..100"),
         # Types the database would refuse with its own error, named here instead.
