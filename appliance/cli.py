@@ -404,7 +404,7 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             shown = {k: v for k, v in vars(message).items() if k != "extra"}
             shown["transitions"] = log
             # Visible to this tenant (checked above): its model calls, routing and tokens.
-            shown["inference_calls"] = await svc.store.calls_of(args.id)
+            shown["inference_calls"] = await svc.store.calls_of(args.tenant, args.id)
             print(json.dumps(shown, indent=2, default=str))
         elif args.bus_action == "reclaim":
             print(f"reclaimed: {len(await svc.bus.reclaim())}")

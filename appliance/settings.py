@@ -50,7 +50,7 @@ class BusSettings(BaseModel):
     retry_base_seconds: float = Field(default=2.0, gt=0, le=604800.0)
     retry_cap_seconds: float = Field(default=600.0, gt=0, le=604800.0)
     context_max_bytes: int = Field(default=DEFAULT_CONTEXT_MAX_BYTES, ge=1024)
-    idempotency_retention_days: float = Field(default=90.0, gt=0)
+    idempotency_retention_days: float = Field(default=90.0, gt=0, le=36500.0)
     # Pending work older than this is expired instead of run (None: no limit for the lane).
     max_queue_age_seconds: dict[Lane, float | None] = Field(
         default_factory=lambda: {Lane.INTERACTIVE: 3600.0, Lane.SYSTEM: 86400.0, Lane.BATCH: None}
@@ -245,13 +245,18 @@ class Settings(BaseSettings):
     def _history_outlives_the_keys(self) -> Settings:
         # A duplicate request is answered with its first message's id while the key lives: that
         # message (and its log) must still be there to show.
+        # A key may live a retention past its message's last duplicate, which can come as late
+        # as the message's move to the archive (migrations 0024, 0031): history must outlive
+        # both together.
         kept = self.runner.history_retention_days
         keys = self.bus.idempotency_retention_days
-        if kept is not None and kept < keys:
+        archive = self.runner.archive_retention_days
+        if kept is not None and kept < keys + archive:
             raise ValueError(
                 f"runner.history_retention_days ({kept:g}) must be at least"
-                f" bus.idempotency_retention_days ({keys:g}): a duplicate request is answered"
-                " with the id of the message its key names"
+                f" bus.idempotency_retention_days ({keys:g}) + runner.archive_retention_days"
+                f" ({archive:g}): a duplicate request is answered with the id of the message its"
+                " key names"
             )
         return self
 

@@ -63,12 +63,27 @@ CREATE FUNCTION appliance.agent_messages_log_insert() RETURNS trigger
     AS $$
 DECLARE
     unknown text;
+    bad bigint;
 BEGIN
     SELECT n.tenant INTO unknown FROM new_rows n
     WHERE NOT EXISTS (SELECT FROM tenants t WHERE t.name = n.tenant) LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION 'unknown tenant %', unknown
             USING ERRCODE = 'foreign_key_violation', DETAIL = unknown;
+    END IF;
+    -- Work enters the envelope as enqueue_requests writes it. A row inserted running would
+    -- count up its tenant's released leases when it ended, never its claimed ones, lifting the
+    -- tenant's concurrency limit; an id ahead of the sequence would make every enqueue that
+    -- later draws it fail.
+    SELECT n.id INTO bad FROM new_rows n
+    WHERE n.status <> 'pending' OR n.attempts <> 0 OR n.lease_token IS NOT NULL
+       OR n.lease_expires_at IS NOT NULL
+       OR n.id > (SELECT s.last_value FROM agent_messages_id_seq s)
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'message % must enter the envelope pending, unattempted and unleased,'
+            ' with an id drawn from agent_messages_id_seq', bad
+            USING ERRCODE = 'check_violation';
     END IF;
     INSERT INTO message_transitions
         (tenant, message_id, from_status, to_status, reason, actor, attempt, lease_token, at)
@@ -102,7 +117,8 @@ DECLARE
     bad record;
     nxt record;
 BEGIN
-    SELECT count(*) FILTER (WHERE n.status <> o.status) AS changed,
+    SELECT count(*) FILTER (WHERE o.id IS NULL OR n.tenant IS DISTINCT FROM o.tenant) AS moved,
+           count(*) FILTER (WHERE n.status <> o.status) AS changed,
            count(*) FILTER (WHERE n.status <> o.status AND t.from_status IS NULL) AS illegal,
            count(*) FILTER (WHERE n.status = 'running' AND o.status <> 'running') AS taken,
            count(*) FILTER (WHERE o.status = 'running' AND n.status <> 'running') AS ended,
@@ -110,9 +126,15 @@ BEGIN
            count(*) FILTER (WHERE n.status = 'pending' AND o.status <> 'pending') AS pending
     INTO seen
     FROM new_rows n
-    JOIN old_rows o ON o.id = n.id
+    LEFT JOIN old_rows o ON o.id = n.id
     LEFT JOIN message_status_transitions t
       ON t.from_status = o.status AND t.to_status = n.status;
+    IF seen.moved > 0 THEN
+        -- A row whose id changed pairs with no old row: its status change would go unchecked,
+        -- unlogged and uncounted; one whose tenant changed would move work between tenants.
+        RAISE EXCEPTION 'a message''s id and tenant cannot change'
+            USING ERRCODE = 'check_violation';
+    END IF;
     IF seen.changed = 0 THEN
         RETURN NULL;  -- heartbeats and other in-place updates: nothing to log or count
     END IF;
@@ -201,7 +223,8 @@ BEGIN
                        -- One primary-key probe per hand-off. A parent whose key is gone
                        -- (purged: it was in flight longer than its retention) hands off with
                        -- the default retention.
-                       coalesce((SELECT k.expires_at - k.created_at FROM idempotency_keys k
+                       coalesce((SELECT coalesce(k.retention, k.expires_at - k.created_at)
+                                 FROM idempotency_keys k
                                  WHERE k.key = n.idempotency_key AND k.tenant = n.tenant),
                                 interval '90 days') AS retention
                 FROM new_rows n
@@ -376,8 +399,10 @@ req AS (
     LEFT JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.stage
 ),
 keys AS (
-    INSERT INTO idempotency_keys AS ik (tenant, key, message_id, created_at, expires_at)
-    SELECT req.tenant, req.key, nextval('agent_messages_id_seq'), req.at, req.at + p_retention
+    INSERT INTO idempotency_keys AS ik
+        (tenant, key, message_id, created_at, expires_at, retention)
+    SELECT req.tenant, req.key, nextval('agent_messages_id_seq'), req.at, req.at + p_retention,
+           p_retention
     FROM req
     ON CONFLICT (tenant, key) DO UPDATE
     -- A live key answers with its message; an expired one is taken over by the new request.
@@ -399,10 +424,19 @@ keys AS (
                                AND NOT EXISTS (SELECT FROM agent_messages h
                                                WHERE h.id = ik.message_id)
                           THEN excluded.created_at ELSE ik.created_at END,
-        -- Expired (taken over, or kept for its hot message): a retention from this request.
-        -- A live key keeps its expiry: hits do not slide it.
-        expires_at = CASE WHEN ik.expires_at <= excluded.created_at THEN excluded.expires_at
-                          ELSE ik.expires_at END
+        retention = CASE WHEN ik.expires_at <= excluded.created_at
+                              AND NOT EXISTS (SELECT FROM agent_messages h
+                                              WHERE h.id = ik.message_id)
+                         THEN excluded.retention ELSE ik.retention END,
+        -- A live key keeps its expiry: hits do not slide it. Taken over: the new request's.
+        -- Kept for its hot message: its own retention from this request (migration 0031: the
+        -- request's could differ, and hand-offs read the key's retention).
+        expires_at = CASE WHEN ik.expires_at > excluded.created_at THEN ik.expires_at
+                          WHEN NOT EXISTS (SELECT FROM agent_messages h
+                                           WHERE h.id = ik.message_id)
+                          THEN excluded.expires_at
+                          ELSE excluded.created_at + coalesce(ik.retention, excluded.retention)
+                          END
     RETURNING ik.tenant, ik.key, ik.message_id, ik.hits = 0 AS new
 ),
 inserted AS (
@@ -1265,6 +1299,20 @@ BEGIN
     IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
         RETURN NEW;
     END IF;
+    IF EXISTS (SELECT FROM agent_messages WHERE tenant = OLD.name) THEN
+        RAISE EXCEPTION 'tenant % still has messages', OLD.name  -- checked again under the lock
+            USING ERRCODE = 'foreign_key_violation', DETAIL = OLD.name;
+    END IF;
+    -- History before the lock below stops the bus's writes: the keys are read without
+    -- an index on the tenant. Transition logs go with the archived messages (prune_history),
+    -- so these two say whether any history is left. A message archived from now on has a key
+    -- already (one is written with every message and kept while it is in the envelope).
+    IF EXISTS (SELECT FROM agent_messages_archive WHERE tenant = OLD.name)
+       OR EXISTS (SELECT FROM idempotency_keys WHERE tenant = OLD.name) THEN
+        RAISE EXCEPTION 'tenant % still has history (archived messages or idempotency keys):'
+            ' a tenant registered under its name would inherit it', OLD.name
+            USING ERRCODE = 'foreign_key_violation', DETAIL = OLD.name;
+    END IF;
     LOCK TABLE agent_messages IN SHARE MODE;
     IF EXISTS (SELECT FROM agent_messages WHERE tenant = OLD.name) THEN
         RAISE EXCEPTION 'tenant % still has messages', OLD.name
@@ -1483,7 +1531,8 @@ CREATE TABLE appliance.idempotency_keys (
     created_at timestamp with time zone NOT NULL,
     expires_at timestamp with time zone NOT NULL,
     hits integer DEFAULT 0 NOT NULL,
-    last_hit_at timestamp with time zone
+    last_hit_at timestamp with time zone,
+    retention interval
 );
 
 ALTER TABLE ONLY appliance.idempotency_keys FORCE ROW LEVEL SECURITY;

@@ -149,9 +149,10 @@ class PgRunnerStore(PgMessageStore):
         async with self.db.system_conn() as conn:
             await conn.execute(q("inference_call_insert"), params)
 
-    async def calls_of(self, message_id: int) -> list[dict[str, Any]]:
-        """The model calls recorded against a message, oldest first."""
-        async with self.db.system_conn() as conn:
+    async def calls_of(self, tenant: str, message_id: int) -> list[dict[str, Any]]:
+        """The model calls recorded against a tenant's message, oldest first (row-level
+        security: never another tenant's calls, whatever the id)."""
+        async with self.db.tenant_tx(tenant) as conn:
             cur = await conn.execute(q("inference_calls_of_message"), {"message_id": message_id})
             return list(await cur.fetchall())
 

@@ -409,7 +409,7 @@ VALUES (%(tenant)s, %(message_id)s, %(pipeline)s, %(stage)s, %(kind)s, %(tier)s,
         coalesce(%(at)s::timestamptz, now()));
 
 -- name: inference_calls_of_message :many
--- The model calls of one message, oldest first.
+-- The model calls of one message, oldest first (run in the tenant's transaction: row-level security limits them to its own).
 SELECT kind, tier, min_tier, route_reason, model, model_sha256, status, error, prompt_tokens,
        completion_tokens, queue_seconds, ttft_seconds, total_seconds, at
 FROM inference_calls

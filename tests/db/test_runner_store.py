@@ -191,6 +191,33 @@ async def test_hand_off_keys_keep_the_retention_their_run_was_given(
         assert keys[idempotency_key("t", sid, "c")] == later + timedelta(days=days)
 
 
+async def test_a_key_kept_for_its_message_keeps_its_own_retention_down_the_run(
+    rstore: PgRunnerStore, db: Database
+) -> None:
+    """A key past its expiry is kept while its message is still in the envelope (dead here),
+    and a duplicate then extends it: by the key's own retention, not the duplicate's, and the
+    hand-offs after the redrive keep that retention (they read it as expires_at - created_at,
+    which each extension lengthened, until keys outlived their messages' history)."""
+    short = Bus(rstore, BusConfig(idempotency_retention=timedelta(days=3)))
+    long = Bus(rstore, BusConfig(idempotency_retention=timedelta(days=200)))
+    (first,) = await short.enqueue_many([req(short, "kept")], now=T0)
+    outcome = None
+    while outcome is not FailOutcome.DEAD:  # every attempt the stage allows fails
+        (m,) = await claim(rstore)
+        outcome = await rstore.fail(m.lease, error="x", retry_delay=timedelta(0), actor="w", now=T0)
+    dup_at = T0 + timedelta(days=5)  # the key expired on day 3; its message is still dead here
+    (dup,) = await long.enqueue_many([req(long, "kept")], now=dup_at)
+    assert dup.id == first.id and not dup.new
+    key_a = idempotency_key("t", "kept", "a")
+    assert (await _keys(db))[key_a] == dup_at + timedelta(days=3)
+    assert (await short.redrive("acme", now=dup_at)).moved == [first.id]
+    (m,) = await claim(rstore, now=dup_at)
+    assert await rstore.complete([Completion(m.lease)], actor="w", now=dup_at) == [
+        AckOutcome.APPLIED
+    ]
+    assert (await _keys(db))[idempotency_key("t", "kept", "b")] == dup_at + timedelta(days=3)
+
+
 async def test_concurrent_duplicate_completions_hand_off_once(
     fresh_db: Endpoints, rstore: PgRunnerStore
 ) -> None:

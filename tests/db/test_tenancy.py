@@ -13,7 +13,8 @@ from appliance.bus.core import Bus
 from appliance.db.database import RUNTIME_OPTIONS, Database, Endpoints
 from appliance.db.message_store import _enqueue_params
 from appliance.db.queries import q
-from appliance.domain.envelope import Lane
+from appliance.db.runner_store import PgRunnerStore
+from appliance.domain.envelope import Lane, MessageStatus
 from appliance.domain.ports import Redrive
 from tests.db.plans import PENDING_INDEX, read_by
 
@@ -168,6 +169,109 @@ async def test_messages_always_belong_to_a_known_tenant(
         admin.execute("DELETE FROM tenants WHERE name = 'idle'")  # no messages: allowed
         names = [r[0] for r in admin.execute("SELECT name FROM tenants ORDER BY name")]
     assert names == ["acme", "globex"]
+
+
+async def test_the_app_role_cannot_insert_work_past_the_envelope_rules(
+    bus: Bus, db: Database
+) -> None:
+    """A message enters pending, unattempted and unleased, with an id the sequence gave out:
+    a row inserted running would end up lifting its tenant's concurrency limit, and an id ahead
+    of the sequence would fail the enqueue (of any tenant) that later draws it."""
+    await _seed(bus)
+    columns = (
+        "INSERT INTO agent_messages (id, tenant, pipeline, stage, source, source_id,"
+        " idempotency_key, directive, not_before, created_at, updated_at, status,"
+        " lease_token, lease_expires_at, attempts) VALUES ({id}, 'acme', 'p', 's', 'x', %s,"
+        " 'k' || %s, 'd', now(), now(), now(), %s, %s, %s, %s)"
+    )
+    nxt = "nextval('agent_messages_id_seq')"
+
+    async def insert(id_: str, *values: object) -> None:
+        async with db.tenant_tx("acme") as conn:
+            await conn.execute(f"SELECT {nxt}")  # currval needs a value drawn
+            await conn.execute(columns.format(id=id_), values)
+
+    for sid, id_, status, token, expires, attempts in (
+        ("run", nxt, "running", 1, "2030-01-01T00:00:00Z", 1),
+        ("tried", nxt, "pending", None, None, 2),
+        ("ahead", "currval('agent_messages_id_seq') + 5", "pending", None, None, 0),
+    ):
+        with pytest.raises(psycopg.errors.CheckViolation, match="must enter the envelope pending"):
+            await insert(id_, sid, sid, status, token, expires, attempts)
+    async with db.tenant_tx("acme") as conn:
+        row = await (
+            await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE source = 'x'")
+        ).fetchone()
+    assert row == {"n": 0}
+    # The rules hold for what enqueue writes: the next enqueues all succeed.
+    more = await bus.enqueue_many(
+        [bus.request(tenant="globex", pipeline="demo", stage="intake", source="t2",
+                     source_id=str(i), directive="w") for i in range(5)]
+    )  # fmt: skip
+    assert all(r.new for r in more)
+
+
+async def test_a_message_id_or_tenant_never_changes(bus: Bus, db: Database) -> None:
+    """An UPDATE changing the id paired no old row in the update trigger, so a forbidden status
+    change (cancelled -> done) went through unchecked and unlogged."""
+    ids = await _seed(bus)
+    assert await bus.cancel("acme", ids["acme"][0])
+    for change in (
+        "id = nextval('agent_messages_id_seq'), status = 'done'",
+        "tenant = 'globex'",
+    ):
+        with pytest.raises(psycopg.errors.CheckViolation, match="id and tenant cannot change"):
+            async with db.system_conn() as conn:
+                await conn.execute(
+                    f"UPDATE agent_messages SET {change} WHERE id = %s", (ids["acme"][0],)
+                )
+    got = await bus.get("acme", ids["acme"][0])
+    assert got is not None and got.status is MessageStatus.CANCELLED
+
+
+async def test_model_calls_are_shown_only_to_their_tenant(bus: Bus, db: Database) -> None:
+    ids = await _seed(bus)
+    store = PgRunnerStore(db)
+    theirs = ids["globex"][0]
+    async with db.system_conn() as conn:
+        await conn.execute(
+            "INSERT INTO inference_calls (tenant, message_id, pipeline, stage, kind, tier,"
+            " min_tier, route_reason, model, model_sha256, status, at) VALUES ('globex', %s,"
+            " 'demo', 'intake', 'classify', 'mechanical', 'mechanical', 'pinned', 'private.gguf',"
+            " 'ab', 'ok', now())",
+            (theirs,),
+        )
+    assert [c["model"] for c in await store.calls_of("globex", theirs)] == ["private.gguf"]
+    assert await store.calls_of("acme", theirs) == []
+
+
+async def test_a_tenant_with_history_cannot_be_removed_or_renamed(
+    bus: Bus, db: Database, fresh_db: Endpoints
+) -> None:
+    """Its archive and keys would pass to the next tenant registered under its name: that one
+    would read the old messages, and a duplicate would be answered with one of them."""
+    ids = await _seed(bus)
+    later = T0 + timedelta(days=30)
+    async with db.system_conn() as conn:
+        for mid in ids["acme"]:
+            await conn.execute(
+                "UPDATE agent_messages SET status = 'cancelled', finished_at = %s WHERE id = %s",
+                (T0, mid),
+            )
+    await PgRunnerStore(db).archive(retention=timedelta(days=7), now=later)
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE tenant = 'acme'")
+        ).fetchone()
+    assert row == {"n": 0}  # nothing hot left: only history
+    with psycopg.connect(fresh_db.admin, autocommit=True) as admin:
+        admin.execute("SET search_path = appliance, pg_catalog")
+        for statement in (
+            "DELETE FROM tenants WHERE name = 'acme'",
+            "UPDATE tenants SET name = 'acme2' WHERE name = 'acme'",
+        ):
+            with pytest.raises(psycopg.errors.ForeignKeyViolation, match="still has history"):
+                admin.execute(statement)
 
 
 async def test_a_tenant_claim_reads_none_of_another_tenants_backlog(

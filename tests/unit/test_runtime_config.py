@@ -50,18 +50,22 @@ def test_history_retention_is_read_from_the_environment_and_checked(
     with pytest.raises(ValidationError, match=r"history_retention_days \(3\) must be at least"):
         Settings()
     monkeypatch.setenv("APPLIANCE_RUNNER__ARCHIVE_RETENTION_DAYS", "2")
-    # Shorter than the idempotency keys' 90 days: a duplicate would name a pruned message.
+    # Shorter than the idempotency keys' 90 days (+ the archive's 2, as late as a key's last
+    # extension can come): a duplicate would name a pruned message.
     with pytest.raises(
         ValidationError, match=r"must be at least bus.idempotency_retention_days"
     ) as e:
         Settings()
     assert settings_error_text(e.value) == (
         "settings: runner.history_retention_days (3) must be at least"
-        " bus.idempotency_retention_days (90): a duplicate request is answered with the id of"
-        " the message its key names"
+        " bus.idempotency_retention_days (90) + runner.archive_retention_days (2): a duplicate"
+        " request is answered with the id of the message its key names"
     )
-    monkeypatch.setenv("APPLIANCE_BUS__IDEMPOTENCY_RETENTION_DAYS", "3")
-    assert Settings().runner.history_retention_days == 3
+    monkeypatch.setenv("APPLIANCE_BUS__IDEMPOTENCY_RETENTION_DAYS", "1")
+    assert Settings().runner.history_retention_days == 3  # 1 + 2
+    monkeypatch.setenv("APPLIANCE_BUS__IDEMPOTENCY_RETENTION_DAYS", "1.5")
+    with pytest.raises(ValidationError, match=r"\(1.5\) \+ runner.archive_retention_days"):
+        Settings()
 
 
 def test_an_empty_variable_is_unset_not_the_current_folder(
