@@ -367,6 +367,24 @@ async def test_every_fixed_search_path_searches_temporary_tables_last(db: Databa
     assert wrong == []
 
 
+async def test_no_function_that_runs_as_its_owner_is_open_to_everyone(db: Database) -> None:
+    # Guards functions that later migrations define: PostgreSQL lets PUBLIC execute a new
+    # function unless its migration revokes that, and one running as the owner passes every
+    # row-level security policy. Trigger functions run only as triggers.
+    async with db.system_conn() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT p.oid::regprocedure::text AS f FROM pg_proc p"
+                " WHERE p.pronamespace = 'appliance'::regnamespace AND p.prosecdef"
+                " AND p.prorettype <> 'trigger'::regtype"
+                " AND EXISTS (SELECT FROM aclexplode(coalesce(p.proacl,"
+                "             acldefault('f', p.proowner))) a"
+                "             WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')"
+            )
+        ).fetchall()
+    assert [r["f"] for r in rows] == []
+
+
 async def test_a_tenant_reads_no_other_tenants_counters_caps_or_name(
     bus: Bus, db: Database
 ) -> None:
