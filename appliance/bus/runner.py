@@ -251,6 +251,9 @@ class Runner:
             self.config.reserved_system,
         )
         self.stats = RunnerStats()
+        # By lease token, not message id: the same message can be claimed again by this runner
+        # while an earlier attempt of it still runs (its lease lapsed unseen and was reclaimed);
+        # each attempt must keep its own heartbeats, slot and end.
         self._attempts: dict[int, _Attempt] = {}
         # Tasks of handlers that ignored cancellation: their slots were given back, but the
         # process cannot wait for them when it exits (abandoned_tasks()).
@@ -738,7 +741,12 @@ class Runner:
         )
         attempt_ref.append(attempt)
         attempt.tier = self._tier_of(message)
-        self._attempts[message.id] = attempt
+        for earlier in [a for a in self._attempts.values() if a.message.id == message.id]:
+            # Its lease was reclaimed and this claim took the message again: that attempt's
+            # writes will be refused, so it stops now rather than run beside this one.
+            if earlier.stop_reason is None:
+                self._stop_attempt(earlier, AttemptStop.LEASE_LOST)
+        self._attempts[attempt.lease.lease_token] = attempt
         attempt.task = asyncio.create_task(self._execute(attempt), name=f"message-{message.id}")
 
     # -- executing -----------------------------------------------------------------------------
@@ -1177,7 +1185,7 @@ class Runner:
                 self._wake.set()
 
     def _finish(self, attempt: _Attempt) -> None:
-        if self._attempts.pop(attempt.message.id, None) is not None:
+        if self._attempts.pop(attempt.lease.lease_token, None) is not None:
             self._free_slot(attempt)
             # Its outcome is committed: the tenant's running count in the database went down
             # too, so work that a lane's last claim left behind (a tenant at its limit) may be
@@ -1292,7 +1300,7 @@ class Runner:
 
     def _give_up(self, attempt: _Attempt) -> None:
         task = attempt.task
-        if task is None or task.done() or attempt.message.id not in self._attempts:
+        if task is None or task.done() or attempt.lease.lease_token not in self._attempts:
             return
         # Whatever stopped it (cancelled, lease lost, overrun): the handler ignores
         # cancellation and keeps its task, but its slot is given back, so a wedged handler

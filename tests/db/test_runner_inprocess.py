@@ -12,6 +12,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+import psycopg
 import pytest
 
 from appliance.bus.core import Bus
@@ -474,6 +475,66 @@ async def test_spawned_work_is_held_to_the_configured_context_limit(fresh_db: En
                 await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE stage = 'leaf'")
             ).fetchone()
         assert leaves == {"n": 0}
+
+
+relapsed: list[str] = []
+first_started = asyncio.Event()
+
+
+async def outlives_its_lease(ctx: StageContext) -> StageResult:
+    n = ctx.message.attempts
+    relapsed.append(f"start {n}")
+    first_started.set()
+    if n > 1:
+        return ctx.finish({"attempt": n})
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        relapsed.append(f"stopped {n} ({ctx.cancel_reason})")
+        raise
+    return ctx.finish({"attempt": n})
+
+
+RELAPSE = [Pipeline("relapse", (Stage("run", outlives_its_lease, max_attempts=5),))]
+
+
+async def test_a_message_claimed_again_while_its_lost_attempt_runs_keeps_both_apart(
+    fresh_db: Endpoints,
+) -> None:
+    """The lease of a running attempt lapses unseen (a stalled loop, a slow database) and is
+    reclaimed; the same runner claims the message again. Attempts were kept by message id: the
+    new one replaced the old (never told it lost its lease, it ran on), and the old one's end
+    then removed the new one (left without heartbeats, its slot never given back)."""
+    relapsed.clear()
+    first_started.clear()
+    async with opened(fresh_db, RELAPSE) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "relapse", "once"))
+        config = RunnerConfig(
+            worker_id="relapse", poll_interval=timedelta(seconds=0.5),
+            cancel_grace=timedelta(seconds=1), reclaim_every=timedelta(hours=1),
+        )  # fmt: skip
+        async with serving(store, RELAPSE, config, None) as runner:
+            await asyncio.wait_for(first_started.wait(), 10)
+            with psycopg.connect(fresh_db.admin, autocommit=True) as admin:
+                admin.execute(
+                    "UPDATE appliance.agent_messages SET lease_expires_at = now()"
+                    " - interval '1 second' WHERE id = %s",
+                    (r.id,),
+                )
+            assert await store.reclaim() == [r.id]
+            await wait_status(bus, r.id, MessageStatus.DONE)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if not runner._attempts:
+                    break
+                await asyncio.sleep(0.05)
+            assert runner._attempts == {}
+            assert sum(runner.slots.running.values()) == 0  # every slot given back
+        assert relapsed[0] == "start 1" and "start 2" in relapsed
+        assert "stopped 1 (lease_lost)" in relapsed  # told, not left running beside it
+        got = await bus.get("acme", r.id)
+        assert got is not None and got.result == {"attempt": 2}
 
 
 flaky_calls: dict[str, list[float]] = {}
