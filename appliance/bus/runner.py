@@ -26,6 +26,7 @@ from appliance.bus.slots import LaneSlots
 from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld
 from appliance.domain.envelope import (
     DEFAULT_CONTEXT_MAX_BYTES,
+    NAME_RE,
     EnqueueRequest,
     Lane,
     LeaseRef,
@@ -786,6 +787,15 @@ class Runner:
                     f"{type(result).__name__}, not a StageResult (use ctx.finish(...))",
                 )
                 return
+            if not isinstance(result.outcome, str) or not NAME_RE.match(result.outcome):
+                # Built without ctx.finish: an outcome the database cannot store would fail
+                # every acknowledgement sent with it.
+                await self._fail(
+                    attempt,
+                    f"handler {message.pipeline}.{message.stage} returned the outcome "
+                    f"{result.outcome!r}, which is not a valid name",
+                )
+                return
             try:
                 result_json = encode_json(result.result, "result")
             except InvalidInput as exc:
@@ -1230,6 +1240,13 @@ class Runner:
                 # (acknowledging twice is harmless: the second is reported late).
                 self._acks = batch + self._acks
                 raise
+            except InvalidInput as exc:
+                # Refused as data, not for want of a database: retried whole, it would fail for
+                # ever and every later result with it. Each goes alone; the one refused fails
+                # its attempt, visibly.
+                self._acking = []
+                await self._ack_one_by_one(batch, exc)
+                continue
             except Exception:
                 log.exception("acknowledging %d results failed; retrying", len(batch))
                 self._acks = batch + self._acks
@@ -1238,11 +1255,36 @@ class Runner:
             finally:
                 self._acking = []
             for (attempt, _), outcome in zip(batch, outcomes, strict=True):
-                if outcome is AckOutcome.APPLIED:
-                    self.stats.completed += 1
-                else:
-                    self.stats.late_acks += 1
-                self._finish(attempt)
+                self._count_ack(attempt, outcome)
+
+    async def _ack_one_by_one(
+        self, batch: list[tuple[_Attempt, Completion]], refused: InvalidInput
+    ) -> None:
+        if len(batch) == 1:
+            ((attempt, _),) = batch
+            log.error("message %s: its result was refused: %s", attempt.message.id, refused)
+            await self._fail(attempt, f"its result could not be stored: {refused.problem}")
+            self._finish(attempt)
+            return
+        for item in batch:
+            try:
+                (outcome,) = await self.store.complete(
+                    [item[1]], actor=self.config.worker_id, now=None
+                )
+            except InvalidInput as exc:
+                await self._ack_one_by_one([item], exc)
+                continue
+            except Exception:
+                self._acks.append(item)  # the database, not the data: retried with the rest
+                continue
+            self._count_ack(item[0], outcome)
+
+    def _count_ack(self, attempt: _Attempt, outcome: AckOutcome) -> None:
+        if outcome is AckOutcome.APPLIED:
+            self.stats.completed += 1
+        else:
+            self.stats.late_acks += 1
+        self._finish(attempt)
 
     # -- heartbeats ---------------------------------------------------------------------------
 

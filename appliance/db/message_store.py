@@ -393,9 +393,15 @@ class PgMessageStore:
         if not completions:
             return []
         params = complete_params(completions, actor=actor, now=now)
-        async with self.db.system_conn() as conn:
-            cur = conn.cursor(row_factory=tuple_row)  # (id, applied, status, same_lease)
-            rows = await (await cur.execute(q("message_complete"), params)).fetchall()
+        try:
+            async with self.db.system_conn() as conn:
+                cur = conn.cursor(row_factory=tuple_row)  # (id, applied, status, same_lease)
+                rows = await (await cur.execute(q("message_complete"), params)).fetchall()
+        except psycopg.errors.DataError as exc:
+            # A result or outcome the database cannot hold: the caller's data, never worth
+            # sending again as it is (unlike a lost connection).
+            problem = f"rejected by the database: {exc.diag.message_primary}"
+            raise InvalidInput("completion", problem) from None
         by_id = {r[0]: _ack(r[1], r[2], r[3]) for r in rows}
         raced = [r[0] for r in rows if _raced(r[1], r[2], r[3])]
         if raced:

@@ -234,6 +234,15 @@ async def test_stale_worker_cannot_write(bus: Bus) -> None:
     ]
 
 
+async def test_a_completion_the_database_cannot_hold_is_an_input_error(bus: Bus) -> None:
+    # Data, not a lost connection: the caller must not send it again as it is.
+    await bus.enqueue(now=T0, **vars_of(req(bus, "nul")))
+    (m,) = await bus.claim("w", now=T0)
+    with pytest.raises(InvalidInput, match="completion: rejected by the database"):
+        await bus.store.complete([Completion(m.lease, outcome="x\x00")], actor="w", now=T0)
+    assert await bus.complete(m.lease, now=T0) is AckOutcome.APPLIED  # nothing was written
+
+
 @pytest.mark.parametrize("write", ["complete", "fail"])
 async def test_a_write_that_waited_behind_a_cancel_is_told_cancelled(
     bus: Bus, db: Database, write: str

@@ -22,6 +22,7 @@ from appliance.db.listener import PgDoorbell
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.envelope import EnqueueRequest, Lane, MessageStatus
+from appliance.domain.errors import InvalidInput
 from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
 from appliance.domain.ports import LaneClaim
 from appliance.domain.retry import RetryPolicy
@@ -475,6 +476,54 @@ async def test_spawned_work_is_held_to_the_configured_context_limit(fresh_db: En
                 await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE stage = 'leaf'")
             ).fetchone()
         assert leaves == {"n": 0}
+
+
+async def bad_outcome(ctx: StageContext) -> StageResult:
+    return StageResult({"ok": 1}, "label\x00")  # built without ctx.finish, say from model output
+
+
+POISON = [
+    Pipeline("badout", (Stage("run", bad_outcome, max_attempts=1),)),
+    Pipeline("poison", (Stage("run", quick, max_attempts=1),)),
+    Pipeline("quick", (Stage("run", quick),)),
+]
+
+
+class RefusingStore(PgRunnerStore):
+    """Refuses, as the database refuses data it cannot hold, any batch with a poison message."""
+
+    poison: set[int] = set()
+
+    async def complete(self, completions: Any, **kw: Any) -> Any:
+        if any(c.lease.message_id in self.poison for c in completions):
+            raise InvalidInput("completion", "rejected by the database: unstorable")
+        return await super().complete(completions, **kw)
+
+
+async def test_a_result_that_cannot_be_stored_fails_alone_and_blocks_no_other(
+    fresh_db: Endpoints,
+) -> None:
+    """One refused acknowledgement was retried with every later one, for ever: no result of the
+    runner committed again, and work that had succeeded was re-run until dead."""
+    async with opened_as(fresh_db, POISON, RefusingStore) as store:
+        bus = Bus(store)
+        bad = await bus.enqueue(**request(bus, "badout", "b"))
+        poison = await bus.enqueue(**request(bus, "poison", "p"))
+        store.poison = {poison.id}
+        good = [(await bus.enqueue(**request(bus, "quick", f"q{i}"))).id for i in range(4)]
+        config = RunnerConfig(worker_id="poison", poll_interval=timedelta(seconds=1))
+        async with serving(store, POISON, config, None) as runner:
+            for mid in good:
+                await wait_status(bus, mid, MessageStatus.DONE)
+            await wait_status(bus, bad.id, MessageStatus.DEAD)
+            await wait_status(bus, poison.id, MessageStatus.DEAD)
+            assert runner.stats.completed == 4
+        got = await bus.get("acme", bad.id)
+        assert got is not None and "outcome 'label\\x00', which is not a valid name" in str(
+            got.error
+        )
+        got = await bus.get("acme", poison.id)
+        assert got is not None and "could not be stored: rejected by the database" in str(got.error)
 
 
 relapsed: list[str] = []
