@@ -89,8 +89,19 @@ class PgDoorbell:
             self._conn = None
 
     async def _connect(self) -> None:
-        conn = await psycopg.AsyncConnection.connect(
-            self.conninfo, autocommit=True, options=SEARCH_PATH_OPTION
+        # Keepalives (TCP only; a Unix socket ignores them): a server that vanished without
+        # closing the connection is noticed in seconds, not after the kernel's 15 minutes.
+        conn = await asyncio.wait_for(
+            psycopg.AsyncConnection.connect(
+                self.conninfo,
+                autocommit=True,
+                options=SEARCH_PATH_OPTION,
+                keepalives=1,
+                keepalives_idle=10,
+                keepalives_interval=5,
+                keepalives_count=3,
+            ),
+            self.health_every,
         )
         # LISTEN first, then ring: work committed while we were away is swept, not lost.
         await conn.execute(f"LISTEN {self.channel}")
@@ -121,7 +132,25 @@ class PgDoorbell:
                         self._rang({Lane(note.payload)})
                     except ValueError:
                         self._rang(set(Lane))
-                if not await self._healthy():
+                # Bounded: a connection that stopped answering without closing (a frozen
+                # backend, a partition) would keep this wait, and the doorbell "connected"
+                # but deaf, for ever; the fallback poll alone would then find work.
+                check = asyncio.ensure_future(self._healthy())
+                await asyncio.wait({check}, timeout=self.health_every)
+                if not check.done():
+                    # Closed first: cancelling a query waits for the server to confirm it,
+                    # which a server that does not answer never does.
+                    log.warning(
+                        "doorbell connection unanswered for %.0f s; reconnecting",
+                        self.health_every,
+                    )
+                    await self._disconnect()
+                    check.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await check
+                    raise psycopg.OperationalError("the health check went unanswered")
+                healthy = check.result()
+                if not healthy:
                     raise psycopg.OperationalError("the LISTEN registration was lost")
             except asyncio.CancelledError:
                 raise

@@ -4,7 +4,9 @@ handler, bad handlers failing their attempt, and the runner's health in the stat
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -524,6 +526,27 @@ async def test_a_result_that_cannot_be_stored_fails_alone_and_blocks_no_other(
         )
         got = await bus.get("acme", poison.id)
         assert got is not None and "could not be stored: rejected by the database" in str(got.error)
+
+
+async def test_a_doorbell_whose_server_stops_answering_reconnects(fresh_db: Endpoints) -> None:
+    """A connection that stops answering without closing (a frozen backend here; a partition
+    or a vanished host alike) held the health check for ever: the doorbell said it was
+    connected and heard nothing, and work waited for the fallback poll."""
+    bell = PgDoorbell(fresh_db.system, health_every=0.5)
+    await bell.start()
+    frozen = bell.backend_pid
+    assert frozen is not None
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if bell.reconnects and bell.connected and bell.backend_pid != frozen:
+                break
+            await asyncio.sleep(0.1)
+        assert bell.reconnects >= 1 and bell.connected and bell.backend_pid != frozen
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+        await bell.close()
 
 
 relapsed: list[str] = []
