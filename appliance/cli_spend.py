@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from decimal import Decimal
 from typing import Any
 
@@ -117,6 +118,18 @@ async def cmd_cap(settings: Settings, args: argparse.Namespace) -> int:
                 now=None,
             )
             print(f"cap {scope}: {_fmt(amount)}; resumed {resumed} messages held for budget")
+            for row in await svc.spend.status(now=None):
+                committed = row["spent"] + row["reserved"]
+                if row["scope"] == scope and committed > amount:
+                    # Holds taken under the old cap are calls already running: they finish
+                    # and settle. Nothing new is admitted in this scope meanwhile.
+                    print(
+                        f"note: this month's spent {_fmt(row['spent'])} and reserved"
+                        f" {_fmt(row['reserved'])} already pass the new cap; the calls"
+                        " holding the reserve finish, and no new work is admitted in"
+                        f" {scope} this month unless the cap is raised",
+                        file=sys.stderr,
+                    )
             return 0
         rows = cap_rows_json(await svc.spend.status(now=None))
         alerts = await svc.spend.alerts(now=None)

@@ -1026,6 +1026,15 @@ BEGIN
     SELECT * INTO cfg FROM spend_config;
     share := 1 - cfg.interactive_share;
     m := spend_month(at);
+    -- The platform's fixed cost of the month is charged before its first hold (migration
+    -- 0031): charged at the scheduler's next tick, it came after holds of the new month that
+    -- could already fill the cap. Once a month (the ledger's unique index).
+    IF cfg.amortisation_monthly > 0 AND NOT EXISTS (
+        SELECT FROM spend_ledger l
+        WHERE l.month = m AND l.status = 'platform' AND l.note = 'amortisation'
+    ) THEN
+        PERFORM spend_platform_month(at);
+    END IF;
     -- The month's rows start once (a rollover creates them on its first reservation).
     INSERT INTO spend_months (month, scope, created_at)
     SELECT m, s, at FROM unnest(scopes) AS s

@@ -159,17 +159,38 @@ async def test_month_rollover_with_holds_in_flight(spend: PgSpendStore, db: Data
     await spend.settle(hold, amount=Decimal("0.3"), energy_joules=9.0,
                        provenance="estimated", now=late_jan)  # fmt: skip
     jan, feb = await month_row(db, "2031-01-01"), await month_row(db, "2031-02-01")
-    assert (jan["spent"], jan["reserved"]) == (Decimal("0.3"), 0)
-    assert (feb["spent"], feb["reserved"]) == (0, A * 20)
+    # Each month's amortisation (0.05) was charged by its first reservation, before the hold.
+    assert (jan["spent"], jan["reserved"]) == (Decimal("0.35"), 0)
+    assert (feb["spent"], feb["reserved"]) == (Decimal("0.05"), A * 20)
     async with db.system_conn() as conn:
         rows = await (
             await conn.execute("SELECT count(*) AS n FROM spend_months WHERE month = '2031-02-01'")
         ).fetchone()
     assert rows is not None and rows["n"] == 2  # appliance and tenant:acme, each once
-    # Amortisation is charged once per month, as a platform cost.
-    assert await spend.platform_month(now=late_jan) == Decimal("0.05")
+    # Amortisation is charged once per month, as a platform cost: the scheduler's tick finds
+    # it charged already.
     assert await spend.platform_month(now=late_jan) == 0
     assert (await month_row(db, "2031-02-01"))["spent"] == Decimal("0.05")
+
+
+async def test_the_months_amortisation_comes_before_its_first_hold(
+    spend: PgSpendStore, db: Database
+) -> None:
+    """Charged at the scheduler's first tick of the month, it came after holds that could
+    already fill the cap: spent + reserved passed it."""
+    await spend.configure(
+        time_zone="UTC", currency="EUR", interactive_share=Decimal("0.2"),
+        alert_fractions=[], amortisation_monthly=Decimal("0.3"),
+    )  # fmt: skip
+    await spend.set_cap("appliance", Decimal("1.0"))
+    start = datetime(2031, 3, 1, 0, 0, 5, tzinfo=UTC)
+    assert isinstance(await reserve(spend, start, amount=Decimal("0.45")), int)
+    refused = await reserve(spend, start, amount=Decimal("0.45"))
+    assert isinstance(refused, Refusal)  # 0.3 + 0.45 + 0.45 would pass 1.0
+    row = await month_row(db, "2031-03-01")
+    assert row["spent"] + row["reserved"] <= Decimal("1.0")
+    assert (row["spent"], row["reserved"]) == (Decimal("0.3"), Decimal("0.45"))
+    assert await spend.platform_month(now=start) == 0
 
 
 async def test_interactive_keeps_its_share_and_tenants_their_caps(spend: PgSpendStore) -> None:

@@ -171,6 +171,22 @@ def test_operator_commands_say_what_they_did_not_do(env: dict[str, str]) -> None
     assert run(env, "bus", "redrive", "--tenant", "acme").stdout.strip() == "redriven: 0"
 
 
+def test_a_cap_set_below_what_is_already_committed_says_so(
+    env: dict[str, str], fresh_db: Endpoints
+) -> None:
+    run(env, "tenant", "add", "acme")
+    run(env, "cap", "set", "1.0")
+    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
+        conn.execute(
+            "SELECT * FROM appliance.spend_reserve('acme', 'interactive', 0.6, NULL, NULL,"
+            " 'p', 's', 'classify', 'm', 'mechanical', NULL)"
+        )
+    lowered = run(env, "cap", "set", "0.5")
+    assert "cap appliance: 0.5" in lowered.stdout
+    assert "reserved 0.6 already pass the new cap" in lowered.stderr
+    assert "already pass" not in run(env, "cap", "set", "0.7").stderr
+
+
 def test_an_unreachable_or_misnamed_database_is_one_line_not_a_trace(
     env: dict[str, str], tmp_path: Path
 ) -> None:
