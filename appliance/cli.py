@@ -374,13 +374,22 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             )
             moved = done.moved
             print(f"redriven: {len(moved)}" + (f" ({', '.join(map(str, moved))})" if moved else ""))
-            for message_id in done.past_deadline:
+            late = set(done.past_deadline)
+            if args.ids:
+                for message_id in done.past_deadline:
+                    print(
+                        f"message {message_id} not redriven: its deadline has passed, so it"
+                        " would expire unrun (add --clear-deadline to run it without one)",
+                        file=sys.stderr,
+                    )
+            elif late:
+                # "Everything dead" is not an error for the dead it leaves: one line, exit 0.
                 print(
-                    f"message {message_id} not redriven: its deadline has passed, so it would"
-                    " expire unrun (add --clear-deadline to run it without one)",
+                    f"{len(late)} dead messages left: their deadlines have passed, so they would"
+                    " expire unrun (add --clear-deadline to run them without one)",
                     file=sys.stderr,
                 )
-            late = set(done.past_deadline)
+                late = set()
             left = [i for i in dict.fromkeys(args.ids) if i not in set(moved)]
             for message_id in (i for i in left if i not in late):
                 message = await svc.bus.get(args.tenant, message_id)

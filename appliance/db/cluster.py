@@ -851,15 +851,16 @@ class LocalCluster:
                     "stop it first so the new settings apply"
                 )
         if len(lines) >= 6:
-            # The first TCP address it listens on ('' for none), against the one configured.
+            # The first TCP address it could bind ('' for none; not necessarily the first one
+            # configured), against those configured.
             running_tcp = lines[5].strip()
             configured = self.extra_conf.get("listen_addresses", self.listen_addresses)
-            wanted_tcp = configured.split(",")[0].strip()
-            if running_tcp != wanted_tcp:
+            wanted = {a.strip() for a in configured.split(",")} - {""}
+            if running_tcp not in (wanted or {""}):
                 raise ClusterError(
                     f"the cluster in {self.data_dir} is already running listening on TCP"
-                    f" {running_tcp or '(none)'}, not {wanted_tcp or '(none)'}: stop it first"
-                    " so the new settings apply"
+                    f" {running_tcp or '(none)'}, not {configured.strip() or '(none)'}: stop it"
+                    " first so the new settings apply"
                 )
 
     def _wait_ready(self, deadline: float) -> None:

@@ -147,23 +147,35 @@ def _json_key(key: object) -> str:
     return repr(key)  # refused by the encoder anyway
 
 
+_CONTAINERS = (dict, list, tuple)
+
+
 def _clashing_key(value: object) -> str | None:
     """A key written twice in one object once non-string keys become text ({1: .., "1": ..}):
-    jsonb would keep only the last, silently dropping the other."""
+    jsonb would keep only the last, silently dropping the other. Walks containers only (this
+    runs for every result a handler returns)."""
     stack = [value]
+    push = stack.append
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            if not all(type(k) is str for k in item):
+            plain = True
+            for k, v in item.items():
+                if type(k) is not str:
+                    plain = False
+                if isinstance(v, _CONTAINERS):
+                    push(v)
+            if not plain:
                 seen: set[str] = set()
                 for k in item:
                     text = _json_key(k)
                     if text in seen:
                         return text
                     seen.add(text)
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
+        else:
+            for v in item:  # type: ignore[attr-defined]  # only containers are pushed
+                if isinstance(v, _CONTAINERS):
+                    push(v)
     return None
 
 
@@ -177,7 +189,7 @@ def encode_json(value: JSONValue, field_name: str) -> str:
         raise InvalidInput(field_name, f"is not JSON-serialisable: {exc}") from None
     except RecursionError:
         raise InvalidInput(field_name, "is nested too deeply to encode as JSON") from None
-    clash = _clashing_key(value)
+    clash = _clashing_key(value) if "{" in text else None  # no object, no keys
     if clash is not None:
         raise InvalidInput(
             field_name, f"has two keys that are both {clash!r} once written as JSON text"

@@ -151,7 +151,10 @@ BEGIN
     SELECT n.id INTO bad FROM new_rows n
     WHERE n.status <> 'pending' OR n.attempts <> 0 OR n.lease_token IS NOT NULL
        OR n.lease_expires_at IS NOT NULL
-       OR n.id > (SELECT s.last_value FROM agent_messages_id_seq s)
+       -- The last id given out: last_value, or one before it while is_called is false (a
+       -- fresh or restarted sequence). Exact with the sequence's CACHE 1.
+       OR n.id > (SELECT CASE WHEN s.is_called THEN s.last_value ELSE s.last_value - 1 END
+                  FROM agent_messages_id_seq s)
     LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION 'message % must enter the envelope pending, unattempted and unleased,'

@@ -220,7 +220,9 @@ FROM promoted;
 WITH moved AS (
 UPDATE agent_messages
 SET status = 'pending',
-    deadline = CASE WHEN %(clear_deadline)s::boolean THEN NULL ELSE deadline END,
+    deadline = CASE WHEN %(clear_deadline)s::boolean
+                         AND deadline <= coalesce(%(now)s::timestamptz, now())
+                    THEN NULL ELSE deadline END,
     attempts = 0,
     not_before = coalesce(%(now)s::timestamptz, now()),
     deferred = false,

@@ -296,6 +296,21 @@ def test_turning_tcp_on_while_running_says_to_stop_first(cluster: LocalCluster) 
     _fast_cluster(cluster.state_dir).start(timeout=5)  # the same settings: running, fine
 
 
+def test_a_running_cluster_that_bound_a_later_address_is_not_refused(reachable_dir: Path) -> None:
+    # 192.0.2.1 (a documentation address) cannot be bound here: the server warns, listens on
+    # 127.0.0.1 and names that one in its pid file. The same settings must start (find it
+    # running) again.
+    tcp = "192.0.2.1, 127.0.0.1"
+    c = LocalCluster(reachable_dir / "state", port=PORT, listen_addresses=tcp)
+    try:
+        c.start()
+        LocalCluster(reachable_dir / "state", port=PORT, listen_addresses=tcp).start(timeout=5)
+        with pytest.raises(ClusterError, match=r"listening on TCP 127.0.0.1, not \(none\)"):
+            _fast_cluster(reachable_dir / "state").start(timeout=5)
+    finally:
+        c.stop()
+
+
 def test_long_socket_path_falls_back(reachable_dir: Path) -> None:
     state = reachable_dir / ("s" * 80) / "state"
     c = LocalCluster(state, port=PORT)

@@ -366,19 +366,24 @@ async def test_redrive_leaves_work_past_its_deadline_unless_told_to_clear_it(
         now=T0, deadline=T0 + timedelta(minutes=1), **vars_of(req(bus, "late"))
     )
     fine = await bus.enqueue(now=T0, **vars_of(req(bus, "fine")))
-    for m in await bus.claim("w", limit=2, now=T0):
+    ahead = T0 + timedelta(days=1)
+    soon = await bus.enqueue(now=T0, deadline=ahead, **vars_of(req(bus, "soon")))
+    for m in await bus.claim("w", limit=3, now=T0):
         assert await bus.fail(m, "boom", now=T0) is FailOutcome.DEAD
     after = T0 + timedelta(minutes=2)
-    assert await bus.redrive("acme", now=after) == Redrive([fine.id], [late.id])
+    assert await bus.redrive("acme", [late.id, fine.id], now=after) == Redrive([fine.id], [late.id])
     assert await bus.redrive("acme", [late.id], now=after) == Redrive([], [late.id])
     still = await bus.get("acme", late.id)
     assert still is not None and still.status is MessageStatus.DEAD
-    assert await bus.redrive("acme", [late.id], now=after, clear_deadline=True) == Redrive(
-        [late.id], []
+    # Cleared only where it has passed: a deadline still ahead is kept.
+    assert await bus.redrive("acme", now=after, clear_deadline=True) == Redrive(
+        sorted([late.id, soon.id]), []
     )
     again = await bus.get("acme", late.id)
     assert again is not None and again.status is MessageStatus.PENDING
     assert again.deadline is None
+    kept = await bus.get("acme", soon.id)
+    assert kept is not None and kept.deadline == ahead
     assert await bus.expire(now=after) == 0  # nothing left to expire it for
 
 

@@ -172,7 +172,7 @@ async def test_messages_always_belong_to_a_known_tenant(
 
 
 async def test_the_app_role_cannot_insert_work_past_the_envelope_rules(
-    bus: Bus, db: Database
+    bus: Bus, db: Database, fresh_db: Endpoints
 ) -> None:
     """A message enters pending, unattempted and unleased, with an id the sequence gave out:
     a row inserted running would end up lifting its tenant's concurrency limit, and an id ahead
@@ -186,9 +186,10 @@ async def test_the_app_role_cannot_insert_work_past_the_envelope_rules(
     )
     nxt = "nextval('agent_messages_id_seq')"
 
-    async def insert(id_: str, *values: object) -> None:
+    async def insert(id_: str, *values: object, draw: bool = True) -> None:
         async with db.tenant_tx("acme") as conn:
-            await conn.execute(f"SELECT {nxt}")  # currval needs a value drawn
+            if draw:
+                await conn.execute(f"SELECT {nxt}")  # currval needs a value drawn
             await conn.execute(columns.format(id=id_), values)
 
     for sid, id_, status, token, expires, attempts in (
@@ -198,6 +199,15 @@ async def test_the_app_role_cannot_insert_work_past_the_envelope_rules(
     ):
         with pytest.raises(psycopg.errors.CheckViolation, match="must enter the envelope pending"):
             await insert(id_, sid, sid, status, token, expires, attempts)
+    # A restarted sequence (is_called false): its last_value is the next id, not yet given out.
+    with psycopg.connect(fresh_db.admin, autocommit=True) as admin:
+        restarted = admin.execute(
+            "SELECT setval('appliance.agent_messages_id_seq',"
+            " (SELECT last_value + 100 FROM appliance.agent_messages_id_seq), false)"
+        ).fetchone()
+    assert restarted is not None
+    with pytest.raises(psycopg.errors.CheckViolation, match="must enter the envelope pending"):
+        await insert(str(restarted[0]), "next", "next", "pending", None, None, 0, draw=False)
     async with db.tenant_tx("acme") as conn:
         row = await (
             await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE source = 'x'")

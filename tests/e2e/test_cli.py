@@ -187,6 +187,38 @@ def test_a_cap_set_below_what_is_already_committed_says_so(
     assert "already pass" not in run(env, "cap", "set", "0.7").stderr
 
 
+def test_redrive_names_dead_work_past_its_deadline(
+    env: dict[str, str], fresh_db: Endpoints
+) -> None:
+    run(env, "tenant", "add", "acme")
+    out = run(
+        env, "submit", "--tenant", "acme", "--pipeline", "p", "--stage", "s", "--source", "c",
+        "--source-id", "late", "--directive", "d",
+    ).stdout  # fmt: skip
+    mid = out.split()[0]
+    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
+        conn.execute("SET search_path = appliance, pg_catalog")
+        # Dead, with its deadline behind it (as after it ran out of attempts, late).
+        conn.execute(
+            "UPDATE agent_messages SET status = 'running', attempts = 1, lease_token = 1,"
+            " lease_expires_at = now() + interval '1 minute' WHERE id = %s",
+            (mid,),
+        )
+        conn.execute(
+            "UPDATE agent_messages SET status = 'dead', lease_expires_at = NULL,"
+            " finished_at = now(), deadline = now() - interval '1 minute' WHERE id = %s",
+            (mid,),
+        )
+    everything = run(env, "bus", "redrive", "--tenant", "acme")  # not an error: one line
+    assert everything.stdout.strip() == "redriven: 0"
+    assert "1 dead messages left: their deadlines have passed" in everything.stderr
+    named = run(env, "bus", "redrive", "--tenant", "acme", mid, check=False)
+    assert named.returncode == 1
+    assert f"message {mid} not redriven: its deadline has passed" in named.stderr
+    cleared = run(env, "bus", "redrive", "--tenant", "acme", "--clear-deadline")
+    assert cleared.stdout.strip() == f"redriven: 1 ({mid})"
+
+
 def test_an_unreachable_or_misnamed_database_is_one_line_not_a_trace(
     env: dict[str, str], tmp_path: Path
 ) -> None:
