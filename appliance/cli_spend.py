@@ -126,8 +126,8 @@ async def cmd_cap(settings: Settings, args: argparse.Namespace) -> int:
                     print(
                         f"note: this month's spent {_fmt(row['spent'])} and reserved"
                         f" {_fmt(row['reserved'])} already pass the new cap; the calls"
-                        " holding the reserve finish, and no new work is admitted in"
-                        f" {scope} this month unless the cap is raised",
+                        " holding the reserve finish, and new work in"
+                        f" {scope} is admitted only once what they settle leaves room",
                         file=sys.stderr,
                     )
             return 0

@@ -265,6 +265,7 @@ class Runner:
         self._backlogged: dict[Lane, bool] = {lane: False for lane in Lane}
         self._acks: list[tuple[_Attempt, Completion]] = []
         self._acking: list[tuple[_Attempt, Completion]] = []  # the batch being acknowledged
+        self._alone = 0  # items at the head of _acks to send one by one (a refused batch)
         self._ack_ready = asyncio.Event()
         self._wake = asyncio.Event()
         # Lanes that may hold claimable work: set by the doorbell (its payload is the lane), by
@@ -1229,7 +1230,14 @@ class Runner:
     async def _flush_acks(self) -> None:
         self._ack_ready.clear()
         while self._acks:
-            batch, self._acks = self._acks, []
+            # After a batch was refused as data, its items go one by one (self._alone of them,
+            # at the head of the queue), so that only the refused one fails.
+            alone = self._alone > 0
+            if alone:
+                batch, self._acks = self._acks[:1], self._acks[1:]
+                self._alone -= 1
+            else:
+                batch, self._acks = self._acks, []
             self._acking = batch
             try:
                 outcomes = await self.store.complete(
@@ -1239,45 +1247,31 @@ class Runner:
                 # Stopping with this batch in flight: it goes back, for the drain's last flush
                 # (acknowledging twice is harmless: the second is reported late).
                 self._acks = batch + self._acks
+                self._alone += alone
                 raise
             except InvalidInput as exc:
                 # Refused as data, not for want of a database: retried whole, it would fail for
-                # ever and every later result with it. Each goes alone; the one refused fails
-                # its attempt, visibly.
+                # ever and every later result with it.
+                if len(batch) > 1:
+                    self._acks = batch + self._acks
+                    self._alone = len(batch)
+                    continue
+                ((attempt, _),) = batch
+                log.error("message %s: its result was refused: %s", attempt.message.id, exc)
                 self._acking = []
-                await self._ack_one_by_one(batch, exc)
+                await self._fail(attempt, f"its result could not be stored: {exc.problem}")
+                self._finish(attempt)
                 continue
             except Exception:
                 log.exception("acknowledging %d results failed; retrying", len(batch))
                 self._acks = batch + self._acks
+                self._alone += alone
                 await asyncio.sleep(0.5)
                 continue
             finally:
                 self._acking = []
             for (attempt, _), outcome in zip(batch, outcomes, strict=True):
                 self._count_ack(attempt, outcome)
-
-    async def _ack_one_by_one(
-        self, batch: list[tuple[_Attempt, Completion]], refused: InvalidInput
-    ) -> None:
-        if len(batch) == 1:
-            ((attempt, _),) = batch
-            log.error("message %s: its result was refused: %s", attempt.message.id, refused)
-            await self._fail(attempt, f"its result could not be stored: {refused.problem}")
-            self._finish(attempt)
-            return
-        for item in batch:
-            try:
-                (outcome,) = await self.store.complete(
-                    [item[1]], actor=self.config.worker_id, now=None
-                )
-            except InvalidInput as exc:
-                await self._ack_one_by_one([item], exc)
-                continue
-            except Exception:
-                self._acks.append(item)  # the database, not the data: retried with the rest
-                continue
-            self._count_ack(item[0], outcome)
 
     def _count_ack(self, attempt: _Attempt, outcome: AckOutcome) -> None:
         if outcome is AckOutcome.APPLIED:

@@ -11,11 +11,16 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import psycopg
 
 from appliance.db.database import SEARCH_PATH_OPTION
 from appliance.domain.envelope import Lane
+
+T = TypeVar("T")
+Conn = psycopg.AsyncConnection[tuple[object, ...]]
 
 log = logging.getLogger("appliance.db.listener")
 
@@ -39,7 +44,7 @@ class PgDoorbell:
         self.backoff_max = backoff_max
         self._ring = asyncio.Event()
         self._lanes: set[Lane] = set()
-        self._conn: psycopg.AsyncConnection[tuple[object, ...]] | None = None
+        self._conn: Conn | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = False
         self.reconnects = 0
@@ -91,8 +96,8 @@ class PgDoorbell:
     async def _connect(self) -> None:
         # Keepalives (TCP only; a Unix socket ignores them): a server that vanished without
         # closing the connection is noticed in seconds, not after the kernel's 15 minutes.
-        conn = await asyncio.wait_for(
-            psycopg.AsyncConnection.connect(
+        async with asyncio.timeout(self.health_every):
+            conn = await psycopg.AsyncConnection.connect(
                 self.conninfo,
                 autocommit=True,
                 options=SEARCH_PATH_OPTION,
@@ -100,15 +105,34 @@ class PgDoorbell:
                 keepalives_idle=10,
                 keepalives_interval=5,
                 keepalives_count=3,
-            ),
-            self.health_every,
-        )
+            )
         # LISTEN first, then ring: work committed while we were away is swept, not lost.
-        await conn.execute(f"LISTEN {self.channel}")
+        await self._answered(conn, conn.execute(f"LISTEN {self.channel}"))
         self._conn = conn
         self.backend_pid = conn.info.backend_pid
         self._connected = True
         self._rang(set(Lane))
+
+    async def _answered(self, conn: Conn, query: Awaitable[T]) -> T:
+        """`query` on `conn`, or OperationalError when the server has not answered within
+        health_every. The connection is closed first: cancelling a query waits for the server
+        to confirm it, which a server that does not answer never does (a frozen backend, a
+        partition), and keepalives do not end a wait for an answer."""
+        task = asyncio.ensure_future(query)
+        try:
+            await asyncio.wait({task}, timeout=self.health_every)
+        finally:
+            if not task.done():  # timed out, or this coroutine is being cancelled
+                with contextlib.suppress(Exception):
+                    await conn.close()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if task.cancelled():
+            raise psycopg.OperationalError(
+                f"the server did not answer within {self.health_every:g} s"
+            )
+        return task.result()
 
     async def _healthy(self) -> bool:
         assert self._conn is not None
@@ -132,25 +156,10 @@ class PgDoorbell:
                         self._rang({Lane(note.payload)})
                     except ValueError:
                         self._rang(set(Lane))
-                # Bounded: a connection that stopped answering without closing (a frozen
-                # backend, a partition) would keep this wait, and the doorbell "connected"
-                # but deaf, for ever; the fallback poll alone would then find work.
-                check = asyncio.ensure_future(self._healthy())
-                await asyncio.wait({check}, timeout=self.health_every)
-                if not check.done():
-                    # Closed first: cancelling a query waits for the server to confirm it,
-                    # which a server that does not answer never does.
-                    log.warning(
-                        "doorbell connection unanswered for %.0f s; reconnecting",
-                        self.health_every,
-                    )
-                    await self._disconnect()
-                    check.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await check
-                    raise psycopg.OperationalError("the health check went unanswered")
-                healthy = check.result()
-                if not healthy:
+                # Bounded: a connection that stopped answering without closing would keep
+                # this wait, and the doorbell "connected" but deaf, for ever; the fallback
+                # poll alone would then find work.
+                if not await self._answered(self._conn, self._healthy()):
                     raise psycopg.OperationalError("the LISTEN registration was lost")
             except asyncio.CancelledError:
                 raise

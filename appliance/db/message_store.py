@@ -395,20 +395,24 @@ class PgMessageStore:
         params = complete_params(completions, actor=actor, now=now)
         try:
             async with self.db.system_conn() as conn:
-                cur = conn.cursor(row_factory=tuple_row)  # (id, applied, status, same_lease)
+                # (id, applied, status, same_lease, token)
+                cur = conn.cursor(row_factory=tuple_row)
                 rows = await (await cur.execute(q("message_complete"), params)).fetchall()
         except psycopg.errors.DataError as exc:
             # A result or outcome the database cannot hold: the caller's data, never worth
             # sending again as it is (unlike a lost connection).
             problem = f"rejected by the database: {exc.diag.message_primary}"
             raise InvalidInput("completion", problem) from None
-        by_id = {r[0]: _ack(r[1], r[2], r[3]) for r in rows}
-        raced = [r[0] for r in rows if _raced(r[1], r[2], r[3])]
+        by_lease = {(r[0], r[4]): _ack(r[1], r[2], r[3]) for r in rows}
+        raced = [(r[0], r[4]) for r in rows if _raced(r[1], r[2], r[3])]
         if raced:
-            tokens = {c.lease.message_id: c.lease.lease_token for c in completions}
-            for mid, status, token in await self._lease_states(raced):
-                by_id[mid] = _ack(False, status, token == tokens[mid])
-        return [by_id[c.lease.message_id] for c in completions]
+            fresh = await self._lease_states([mid for mid, _ in raced])
+            now_held = {mid: (status, token) for mid, status, token in fresh}
+            for mid, token in raced:
+                if mid in now_held:
+                    status, current = now_held[mid]
+                    by_lease[(mid, token)] = _ack(False, status, current == token)
+        return [by_lease[(c.lease.message_id, c.lease.lease_token)] for c in completions]
 
     async def _lease_states(self, ids: Sequence[int]) -> list[tuple[int, str, int | None]]:
         """(id, status, lease token) as of now, for writes that raced another statement."""

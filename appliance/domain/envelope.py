@@ -17,7 +17,8 @@ from appliance.domain.errors import InvalidInput
 JSONValue = Any  # JSON-compatible: dict, list, str, int, float, bool, None
 
 DEFAULT_CONTEXT_MAX_BYTES = 1024 * 1024
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+# \Z, not $: "$" also matches before a final newline, so "ok\n" would pass as a name.
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}\Z")
 KEY_MAX_CHARS = 512
 SOURCE_ID_MAX_CHARS = 512
 DIRECTIVE_MAX_CHARS = 64 * 1024
@@ -172,8 +173,8 @@ def _clashing_key(value: object) -> str | None:
                     if text in seen:
                         return text
                     seen.add(text)
-        else:
-            for v in item:  # type: ignore[attr-defined]  # only containers are pushed
+        elif isinstance(item, list | tuple):  # never a string: not walked by the character
+            for v in item:
                 if isinstance(v, _CONTAINERS):
                     push(v)
     return None

@@ -39,11 +39,14 @@ done AS (
         status_actor = %(actor)s
     FROM input i
     WHERE m.id = i.id AND m.lease_token = i.token AND m.lease_expires_at IS NOT NULL
-    RETURNING m.id
+    RETURNING m.id, m.lease_token
 )
-SELECT i.id, done.id IS NOT NULL AS applied, m.status, m.lease_token = i.token AS same_lease
+-- Matched by lease as well: two attempts of one message may be acknowledged together (the
+-- older one's lease lost meanwhile), and only the current one applies.
+SELECT i.id, done.id IS NOT NULL AS applied, m.status, m.lease_token = i.token AS same_lease,
+       i.token
 FROM input i
-LEFT JOIN done ON done.id = i.id
+LEFT JOIN done ON done.id = i.id AND done.lease_token = i.token
 LEFT JOIN agent_messages m ON m.id = i.id;
 
 -- name: message_fail :one

@@ -265,6 +265,24 @@ async def test_a_write_that_waited_behind_a_cancel_is_told_cancelled(
     assert got is not None and got.status is MessageStatus.CANCELLED
 
 
+async def test_two_attempts_of_one_message_acknowledged_together(bus: Bus) -> None:
+    # The older attempt's lease was reclaimed and the message claimed again; both results go
+    # in one batch: only the current lease applies, and the other is told so.
+    await bus.enqueue(now=T0, **vars_of(req(bus, "twice")))
+    (old,) = await bus.claim("w", lease=timedelta(seconds=30), now=T0)
+    assert await bus.reclaim(now=T0 + timedelta(seconds=31)) == [old.id]
+    (new,) = await bus.claim("w", lease=timedelta(seconds=30), now=T0 + timedelta(seconds=32))
+    at = T0 + timedelta(seconds=33)
+    outcomes = await bus.store.complete(
+        [Completion(old.lease, {"by": "old"}), Completion(new.lease, {"by": "new"})],
+        actor="w",
+        now=at,
+    )
+    assert outcomes == [AckOutcome.STALE, AckOutcome.APPLIED]
+    done = await bus.get("acme", new.id)
+    assert done is not None and done.result == {"by": "new"}
+
+
 async def test_heartbeat_extends_and_reports_cancel(bus: Bus) -> None:
     await bus.enqueue(now=T0, **vars_of(req(bus, "hb")))
     (m,) = await bus.claim("w", lease=timedelta(seconds=10), now=T0)

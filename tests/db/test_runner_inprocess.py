@@ -549,6 +549,48 @@ async def test_a_doorbell_whose_server_stops_answering_reconnects(fresh_db: Endp
         await bell.close()
 
 
+alone_started = asyncio.Event()
+GATED = [Pipeline("gated", (Stage("run", gated, max_attempts=3),))]
+
+
+class SlowAloneStore(RefusingStore):
+    """Refuses batches with a poison message; each result sent alone takes a while."""
+
+    async def complete(self, completions: Any, **kw: Any) -> Any:
+        if len(completions) == 1 and not any(
+            c.lease.message_id in self.poison for c in completions
+        ):
+            alone_started.set()
+            await asyncio.sleep(0.3)
+        return await super().complete(completions, **kw)
+
+
+async def test_a_stop_while_a_refused_batch_goes_one_by_one_loses_no_result(
+    fresh_db: Endpoints,
+) -> None:
+    """The results not yet sent alone were held by the sending coroutine only: a stop then
+    dropped them, and work that had succeeded stayed running until reclaimed and re-run."""
+    gate.clear()
+    alone_started.clear()
+    async with opened_as(fresh_db, GATED, SlowAloneStore) as store:
+        bus = Bus(store)
+        ids = [(await bus.enqueue(**request(bus, "gated", f"g{i}"))).id for i in range(6)]
+        store.poison = {ids[0]}
+        config = RunnerConfig(worker_id="alone", poll_interval=timedelta(seconds=0.5))
+        async with serving(store, GATED, config, None) as runner:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if len(runner._attempts) == 6:
+                    break
+                await asyncio.sleep(0.05)
+            gate.set()
+            await asyncio.wait_for(alone_started.wait(), 10)
+        # Stopped while the refused batch went one by one: every result is recorded.
+        for mid in ids[1:]:
+            got = await bus.get("acme", mid)
+            assert got is not None and got.status is MessageStatus.DONE, (mid, got)
+
+
 relapsed: list[str] = []
 first_started = asyncio.Event()
 

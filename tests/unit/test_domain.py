@@ -99,6 +99,7 @@ def _nested(depth: int) -> object:
         ({"tenant": 1}, "tenant", "must be text, got int"),
         ({"to_agent": b"x"}, "to_agent", "must be text, got bytes"),
         ({"pipeline": "Has Spaces"}, "pipeline", "not a valid name"),
+        ({"stage": "intake\n"}, "stage", "not a valid name"),  # "$" let a final newline by
         ({"max_attempts": 0}, "max_attempts", "outside 1..100"),
         # Types the database would refuse with its own error, named here instead.
         ({"priority": 1.5}, "priority", "whole number"),
