@@ -56,7 +56,7 @@ from appliance.domain.inference import (
     route,
 )
 from appliance.domain.pipeline import Registry, Stage, StageContext, StageResult
-from appliance.domain.ports import AckOutcome, Completion, Doorbell, RunnerStore
+from appliance.domain.ports import AckOutcome, Completion, Doorbell, FailOutcome, RunnerStore
 from appliance.domain.retry import RetryPolicy
 
 log = logging.getLogger("appliance.runner")
@@ -1167,15 +1167,20 @@ class Runner:
     async def _fail(self, attempt: _Attempt, error: str) -> None:
         try:
             delay = self.retry.delay(attempt.message.attempts, self.rng)
-            await self.store.fail(
+            outcome = await self.store.fail(
                 attempt.lease,
                 error=error,
                 retry_delay=delay,
                 actor=self.config.worker_id,
                 now=None,
             )
+            if outcome in (FailOutcome.STALE, FailOutcome.CANCELLED):
+                # Not this attempt's to record any more: its lease went, or it was cancelled.
+                self.stats.late_acks += 1
+                return
             self.stats.failed += 1
-            self._schedule_local_wake(delay.total_seconds())
+            if outcome is FailOutcome.RETRY:
+                self._schedule_local_wake(delay.total_seconds())
         except Exception:
             # The lease will lapse and the reclaimer will retry the message.
             log.exception("could not record the failure of message %s", attempt.message.id)

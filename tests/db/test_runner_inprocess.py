@@ -591,6 +591,42 @@ async def test_a_stop_while_a_refused_batch_goes_one_by_one_loses_no_result(
             assert got is not None and got.status is MessageStatus.DONE, (mid, got)
 
 
+late_started = asyncio.Event()
+late_gate = asyncio.Event()
+
+
+async def fails_late(ctx: StageContext) -> StageResult:
+    late_started.set()
+    await late_gate.wait()
+    raise RuntimeError("too late")
+
+
+LATE = [Pipeline("late", (Stage("run", fails_late),))]
+
+
+async def test_a_failure_of_an_attempt_cancelled_meanwhile_is_not_counted_as_one(
+    fresh_db: Endpoints,
+) -> None:
+    late_started.clear()
+    late_gate.clear()
+    async with opened(fresh_db, LATE) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "late", "x"))
+        config = RunnerConfig(worker_id="late", poll_interval=timedelta(seconds=0.5))
+        async with serving(store, LATE, config, None) as runner:
+            await asyncio.wait_for(late_started.wait(), 10)
+            assert await bus.cancel("acme", r.id)
+            late_gate.set()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if not runner._attempts:
+                    break
+                await asyncio.sleep(0.05)
+            assert (runner.stats.failed, runner.stats.late_acks) == (0, 1)
+        got = await bus.get("acme", r.id)
+        assert got is not None and got.status is MessageStatus.CANCELLED
+
+
 relapsed: list[str] = []
 first_started = asyncio.Event()
 
