@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -81,6 +81,12 @@ def _raced(applied: bool, status: str | None, same_lease: bool | None) -> bool:
     running: it waited behind another statement (a cancel, a reclaim) that changed the row, and
     only a fresh read can say what that was."""
     return not applied and bool(same_lease) and status == MessageStatus.RUNNING
+
+
+def _oldest(ages: Iterable[Any]) -> float | None:
+    """The largest of the groups' ages (seconds), None when no group has one."""
+    known = [float(a) for a in ages if a is not None]
+    return max(known) if known else None
 
 
 def _iso(moment: datetime | None) -> str | None:
@@ -587,21 +593,25 @@ class PgMessageStore:
         for lane in Lane:
             mine = [r for r in rows if r["lane"] == lane.value]
             counts = {s: 0 for s in MessageStatus}
-            pending_age: float | None = None
-            lease_age: float | None = None
             deferred = 0
             for r in mine:
-                counts[MessageStatus(r["status"])] = r["n"]
+                counts[MessageStatus(r["status"])] += r["n"]
                 deferred += r["deferred"]
-                if r["oldest_pending_s"] is not None:
-                    pending_age = float(r["oldest_pending_s"])
-                if r["oldest_lease_s"] is not None:
-                    lease_age = float(r["oldest_lease_s"])
-            lanes[lane] = LaneCounts(counts, pending_age, lease_age, deferred)
+            lanes[lane] = LaneCounts(
+                counts,
+                _oldest(r["oldest_pending_s"] for r in mine),
+                _oldest(r["oldest_lease_s"] for r in mine),
+                deferred,
+            )
+        stages: dict[str, dict[str, int]] = {}
+        for r in rows:
+            of_stage = stages.setdefault(f"{r['pipeline']}.{r['stage']}", {})
+            of_stage[r["status"]] = of_stage.get(r["status"], 0) + r["n"]
         at = now or (clock["at"] if clock else datetime.now().astimezone())
         return BusStatus(
             at=at,
             lanes=lanes,
             tenants=tenants["n"] if tenants else 0,
+            stages=dict(sorted(stages.items())),
             overdue={k: int(v) for k, v in (overdue or {}).items()},
         )

@@ -320,19 +320,15 @@ class PgRunnerStore(PgMessageStore):
         return found
 
     async def status(self, *, now: datetime | None = None) -> BusStatus:
-        """The envelope's counts plus runners, reclaims and dedup activity, and stage counts."""
+        """The envelope's counts (stage counts among them) plus runners, reclaims and dedup
+        activity."""
         base = await super().status(now=now)
         runners = await self.runners(now=now)
         async with self.db.system_conn() as conn:
             activity = await (await conn.execute(q("bus_activity"), {"now": now})).fetchone()
-            rows = await (await conn.execute(q("stage_counts"))).fetchall()
-        stages: dict[str, dict[str, int]] = {}
-        for r in rows:
-            stages.setdefault(f"{r['pipeline']}.{r['stage']}", {})[r["status"]] = r["n"]
         return replace(
             base,
             runners=runners,
             reclaims_last_hour=int(activity["reclaims"]) if activity else 0,
             dedup_keys_hit_last_hour=int(activity["dedup_keys_hit"]) if activity else 0,
-            stages=dict(sorted(stages.items())),
         )

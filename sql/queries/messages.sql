@@ -287,8 +287,9 @@ WHERE message_id = %(id)s
 ORDER BY id;
 
 -- name: bus_status :many
--- Counts by lane and status (pending ones not due yet also counted apart), with the oldest pending age and oldest running lease age per lane. The pending age counts from when the work became due (enqueued, or its not_before reached): work enqueued for later or backing off waits on purpose.
-SELECT m.lane, m.status, count(*) AS n, count(*) FILTER (WHERE m.deferred) AS deferred,
+-- Counts by lane, status, pipeline and stage in one read of the table (pending ones not due yet also counted apart), with the oldest pending age and oldest running lease age of each group. The pending age counts from when the work became due (enqueued, or its not_before reached): work enqueued for later or backing off waits on purpose.
+SELECT m.lane, m.status, m.pipeline, m.stage, count(*) AS n,
+       count(*) FILTER (WHERE m.deferred) AS deferred,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now())
                - min(greatest(m.created_at, m.not_before)) FILTER (
                    WHERE m.status = 'pending'
@@ -297,7 +298,7 @@ SELECT m.lane, m.status, count(*) AS n, count(*) FILTER (WHERE m.deferred) AS de
        extract(epoch FROM coalesce(%(now)s::timestamptz, now())
                - min(m.claimed_at) FILTER (WHERE m.status = 'running')) AS oldest_lease_s
 FROM agent_messages m
-GROUP BY m.lane, m.status;
+GROUP BY m.lane, m.status, m.pipeline, m.stage;
 
 -- name: stage_outputs :many
 -- The latest message of each work item (source, source id) at one stage of a pipeline, with its status and result (row-level security limits it to the transaction's tenant).

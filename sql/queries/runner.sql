@@ -351,12 +351,6 @@ SELECT
      WHERE last_hit_at > coalesce(%(now)s::timestamptz, now()) - interval '1 hour')
         AS dedup_keys_hit;
 
--- name: stage_counts :many
--- Messages in the hot table by pipeline, stage and status.
-SELECT pipeline, stage, status, count(*) AS n
-FROM agent_messages
-GROUP BY pipeline, stage, status;
-
 -- name: message_park :one
 -- Park a running attempt in a waiting state (waiting_capability: no tier allowed to serve it is up; held_budget: no hold against the cap): the attempt is not counted, nothing retries it, and the wait ends by `expires_at` at the latest.
 UPDATE agent_messages m

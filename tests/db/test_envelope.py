@@ -481,12 +481,18 @@ async def test_unknown_tenant_in_a_batch_writes_nothing(bus: Bus, db: Database) 
 
 
 async def test_status_counts_and_ages(bus: Bus) -> None:
+    await bus.enqueue(now=T0 + timedelta(seconds=20), **vars_of(req(bus, "0", stage="other")))
     await bus.enqueue(now=T0, **vars_of(req(bus, "1")))
     await bus.enqueue(now=T0 + timedelta(seconds=30), **vars_of(req(bus, "2", lane=Lane.BATCH)))
     await bus.claim("w", lanes=[Lane.BATCH], now=T0 + timedelta(seconds=40))
     st = await bus.status(now=T0 + timedelta(seconds=100))
-    assert st.lanes[Lane.INTERACTIVE].counts[MessageStatus.PENDING] == 1
+    # Two stages pending in one lane: counted together, the older one's age is the lane's.
+    assert st.lanes[Lane.INTERACTIVE].counts[MessageStatus.PENDING] == 2
     assert st.lanes[Lane.INTERACTIVE].oldest_pending_age_s == pytest.approx(100)
+    assert st.stages == {
+        "demo.intake": {"pending": 1, "running": 1},
+        "demo.other": {"pending": 1},
+    }
     assert st.lanes[Lane.BATCH].counts[MessageStatus.RUNNING] == 1
     assert st.lanes[Lane.BATCH].oldest_running_lease_age_s == pytest.approx(60)
     assert st.tenants == 2
