@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from appliance import cli_models, cli_spend
 from appliance.db.database import DATABASE_ERRORS, check_server, client_command, error_text
@@ -641,6 +642,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = Settings()
         except ValidationError as exc:
             raise ConfigurationError(settings_error_text(exc)) from None
+        except SettingsError as exc:
+            # A list or mapping variable that is not JSON (pydantic-settings parses them).
+            raise ConfigurationError(
+                f"settings: {exc}; a list or mapping setting is written as JSON, for example"
+                ' APPLIANCE_RUNNER__PIPELINES=\'["demo", "support"]\''
+            ) from None
         if args.command == "db":
             return cmd_db(settings, args)
         if args.command == "models":

@@ -7,7 +7,15 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from appliance.domain.envelope import DEFAULT_CONTEXT_MAX_BYTES, Lane
@@ -23,7 +31,21 @@ def default_state_dir() -> Path:
     return Path("/var/lib/appliance")
 
 
-class DatabaseSettings(BaseModel):
+DEFAULT_QUEUE_AGES: dict[Lane, float | None] = {
+    Lane.INTERACTIVE: 3600.0,
+    Lane.SYSTEM: 86400.0,
+    Lane.BATCH: None,
+}
+
+
+class _Section(BaseModel):
+    """A settings section: no infinite or NaN numbers (they passed the bounds, then failed
+    the start with an OverflowError naming no setting)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class DatabaseSettings(_Section):
     """Where the database is: the local cluster under the state dir, or a given server."""
 
     # Set APPLIANCE_DATABASE_URL to use an existing server; the appliance then manages nothing.
@@ -40,8 +62,16 @@ class DatabaseSettings(BaseModel):
     pool_min: int = Field(default=1, ge=0)
     pool_max: int = Field(default=8, ge=1)
 
+    @model_validator(mode="after")
+    def _pool_fits(self) -> DatabaseSettings:
+        if self.pool_min > self.pool_max:
+            raise ValueError(
+                f"pool_min ({self.pool_min}) must be at most pool_max ({self.pool_max})"
+            )
+        return self
 
-class BusSettings(BaseModel):
+
+class BusSettings(_Section):
     """The envelope's rules: leases, retries, sizes, retention, queue ages."""
 
     lease_seconds: float = Field(default=30.0, ge=1.0, le=86400.0)
@@ -52,10 +82,21 @@ class BusSettings(BaseModel):
     context_max_bytes: int = Field(default=DEFAULT_CONTEXT_MAX_BYTES, ge=1024)
     idempotency_retention_days: float = Field(default=90.0, gt=0, le=36500.0)
     # Pending work older than this is expired instead of run (None: no limit for the lane).
+    # A lane given alone (APPLIANCE_BUS__MAX_QUEUE_AGE_SECONDS__BATCH=7200) keeps the others'.
     max_queue_age_seconds: dict[Lane, float | None] = Field(
-        default_factory=lambda: {Lane.INTERACTIVE: 3600.0, Lane.SYSTEM: 86400.0, Lane.BATCH: None}
+        default_factory=lambda: dict(DEFAULT_QUEUE_AGES)
     )
     maintenance_batch: int = Field(default=500, ge=1, le=100_000)
+
+    @field_validator("max_queue_age_seconds", mode="after")
+    @classmethod
+    def _queue_ages(cls, given: dict[Lane, float | None]) -> dict[Lane, float | None]:
+        for lane, age in given.items():
+            if age is not None and not 0 < age <= 31_536_000:
+                raise ValueError(
+                    f"{lane.value}: {age:g} s is outside 0 < age <= 31536000 (none: no limit)"
+                )
+        return {**DEFAULT_QUEUE_AGES, **given}
 
     @property
     def lease(self) -> timedelta:
@@ -73,7 +114,7 @@ class BusSettings(BaseModel):
         return timedelta(days=self.idempotency_retention_days)
 
 
-class RunnerSettings(BaseModel):
+class RunnerSettings(_Section):
     """One runner process: capacity by lane, fairness, leases, wake-ups, shutdown."""
 
     concurrency: int = Field(default=8, ge=1, le=1024)
@@ -89,19 +130,20 @@ class RunnerSettings(BaseModel):
     claim_ahead: int = Field(default=40, ge=0, le=1000)
     # LISTEN/NOTIFY wake-ups; off means the runner relies on the fallback poll alone.
     listen: bool = True
-    poll_interval_seconds: float = Field(default=30.0, gt=0)
-    drain_timeout_seconds: float = Field(default=10.0, ge=0)
-    cancel_grace_seconds: float = Field(default=5.0, ge=0)
-    reclaim_interval_seconds: float = Field(default=1.0, gt=0)
-    expire_interval_seconds: float = Field(default=5.0, gt=0)
-    archive_interval_seconds: float = Field(default=60.0, gt=0)
-    archive_retention_days: float = Field(default=7.0, ge=0)
+    # Bounded so that every one is a valid interval (and a day is already far past useful).
+    poll_interval_seconds: float = Field(default=30.0, gt=0, le=86400)
+    drain_timeout_seconds: float = Field(default=10.0, ge=0, le=86400)
+    cancel_grace_seconds: float = Field(default=5.0, ge=0, le=86400)
+    reclaim_interval_seconds: float = Field(default=1.0, gt=0, le=86400)
+    expire_interval_seconds: float = Field(default=5.0, gt=0, le=86400)
+    archive_interval_seconds: float = Field(default=60.0, gt=0, le=86400)
+    archive_retention_days: float = Field(default=7.0, ge=0, le=36500)
     # Finished history older than this is deleted (archived messages with their transition
     # logs, model calls, past months' ledger lines, runners long stopped; migration 0025).
     # None (`none` in the environment) keeps it for ever.
-    history_retention_days: float | None = Field(default=400.0, gt=0)
+    history_retention_days: float | None = Field(default=400.0, gt=0, le=36500)
     # How long model work may wait for its tier (waiting_capability) before it expires.
-    capability_wait_seconds: float = Field(default=3600.0, gt=0)
+    capability_wait_seconds: float = Field(default=3600.0, gt=0, le=31_536_000)
     # Hand-offs a message may be from its run's start (a pipeline's budget may say fewer).
     max_hops: int = Field(default=1000, ge=1)
     pipelines: list[str] = Field(default_factory=lambda: ["demo", "support"])
@@ -129,7 +171,7 @@ def default_models_lock() -> Path:
     return Path("/etc/appliance/models.lock")
 
 
-class TierSettings(BaseModel):
+class TierSettings(_Section):
     """One model tier of the runner's pool."""
 
     # 0 takes the tier down: its work waits in waiting_capability (never downgraded).
@@ -143,7 +185,7 @@ class TierSettings(BaseModel):
     queue: int = Field(default=4, ge=0, le=10_000)
 
 
-class InferenceSettings(BaseModel):
+class InferenceSettings(_Section):
     """The in-process llama.cpp pool: which models (a profile of models.lock) and how many."""
 
     enabled: bool = True
@@ -160,7 +202,7 @@ class InferenceSettings(BaseModel):
         return self.tiers.get(tier) or TierSettings()
 
 
-class TimeOfUseBand(BaseModel):
+class TimeOfUseBand(_Section):
     """A price for local hours [start, end), for example 07:00-23:00 at the day rate."""
 
     start: time
@@ -168,7 +210,7 @@ class TimeOfUseBand(BaseModel):
     price_per_kwh: Decimal = Field(ge=0)
 
 
-class SpendSettings(BaseModel):
+class SpendSettings(_Section):
     """Money: the tariff, the monthly cap and how conservatively a call is priced."""
 
     enabled: bool = True
@@ -202,7 +244,7 @@ class SpendSettings(BaseModel):
     joules_per_token: dict[str, Decimal] = Field(default_factory=dict)
 
 
-class MeteringSettings(BaseModel):
+class MeteringSettings(_Section):
     """Where energy figures come from: a counter when one exists, else an honest estimate."""
 
     source: Literal["auto", "nvml", "rapl", "estimate"] = "auto"

@@ -219,6 +219,12 @@ def test_redrive_names_dead_work_past_its_deadline(
     assert cleared.stdout.strip() == f"redriven: 1 ({mid})"
 
 
+def test_a_list_setting_that_is_not_json_is_one_line_not_a_trace(env: dict[str, str]) -> None:
+    proc = run({**env, "APPLIANCE_RUNNER__PIPELINES": "demo,support"}, "status", check=False)
+    assert proc.returncode == 2
+    assert "is written as JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_an_unreachable_or_misnamed_database_is_one_line_not_a_trace(
     env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from appliance import runtime
+from appliance.domain.envelope import Lane
 from appliance.domain.errors import ClusterError, ConfigurationError
 from appliance.runtime import bus_config, runner_config
 from appliance.settings import BusSettings, Settings, settings_error_text
@@ -90,3 +91,24 @@ def test_psql_for_an_external_server_needs_no_server_package(
         runtime.pg_tool(local, "psql")  # a local cluster: its own server's tools, or an error
     monkeypatch.setenv("APPLIANCE_DATABASE_URL", "postgresql://db.example/appliance")
     assert runtime.pg_tool(Settings(), "psql") == str(tmp_path / "psql")
+
+
+def test_settings_that_break_their_own_rules_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One lane given keeps the others' limits (they were silently dropped); ages must be > 0.
+    monkeypatch.setenv("APPLIANCE_BUS__MAX_QUEUE_AGE_SECONDS__BATCH", "7200")
+    ages = Settings().bus.max_queue_age_seconds
+    assert ages == {Lane.INTERACTIVE: 3600.0, Lane.SYSTEM: 86400.0, Lane.BATCH: 7200.0}
+    monkeypatch.setenv("APPLIANCE_BUS__MAX_QUEUE_AGE_SECONDS__INTERACTIVE", "-5")
+    with pytest.raises(ValidationError, match="interactive: -5 s is outside"):
+        Settings()
+    monkeypatch.delenv("APPLIANCE_BUS__MAX_QUEUE_AGE_SECONDS__INTERACTIVE")
+    monkeypatch.setenv("APPLIANCE_DB__POOL_MIN", "20")
+    monkeypatch.setenv("APPLIANCE_DB__POOL_MAX", "2")
+    with pytest.raises(ValidationError, match=r"pool_min \(20\) must be at most pool_max"):
+        Settings()
+    monkeypatch.delenv("APPLIANCE_DB__POOL_MIN")
+    for name, value in (("RECLAIM_INTERVAL_SECONDS", "inf"), ("POLL_INTERVAL_SECONDS", "2e13")):
+        monkeypatch.setenv(f"APPLIANCE_RUNNER__{name}", value)
+        with pytest.raises(ValidationError, match=name.lower()):
+            Settings()
+        monkeypatch.delenv(f"APPLIANCE_RUNNER__{name}")
