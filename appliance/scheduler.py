@@ -28,6 +28,14 @@ log = logging.getLogger("appliance.scheduler")
 # batches of 1,000 a minute (the old bound) fell behind any sustained rate over about 170
 # messages a second, and the hot and key tables grew without end.
 UPKEEP_ROUND_S = 5.0
+# The longest a maintenance job may run: ten of its intervals, at least a minute. With one
+# instance per job, one statement that never returned (a half-open connection, a lock held by
+# a manual VACUUM) held its job, and everything after it, for the rest of the process.
+JOB_LIMIT_MIN_S = 60.0
+PROMOTE_LIMIT_S = 30.0
+# A wall clock set back by more than this (NTP, a restored VM, an operator) left every
+# interval job scheduled that far in the future: all maintenance stopped for that long.
+CLOCK_STEP_S = 2.0
 
 EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
@@ -170,11 +178,18 @@ class Maintenance:
             jobs.append(
                 (self.purge_run_budgets, IntervalTrigger(seconds=purge_keys_every.total_seconds()))
             )
+        self._interval_jobs: list[str] = []
         for job, trigger in jobs:
-            self.scheduler.add_job(self._tracked(job), trigger, name=job.__name__, **every)
+            limit = max(JOB_LIMIT_MIN_S, 10 * trigger.interval.total_seconds())
+            added = self.scheduler.add_job(
+                self._tracked(job, limit), trigger, name=job.__name__, **every
+            )
+            self._interval_jobs.append(added.id)
+        self._watch: asyncio.Task[None] | None = None
+        self.clock_steps = 0
         for schedule in self.schedules:
             self.scheduler.add_job(
-                self._tracked(self.fire),
+                self._tracked(self.fire, JOB_LIMIT_MIN_S),
                 schedule_trigger(schedule),
                 args=[schedule],
                 name=f"schedule {schedule.name}",
@@ -190,12 +205,17 @@ class Maintenance:
         self.history_pruned = 0
         self.analyzed = 0
 
-    def _tracked(self, job: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    def _tracked(
+        self, job: Callable[..., Awaitable[None]], limit_s: float
+    ) -> Callable[..., Awaitable[None]]:
         async def run(*args: Any) -> None:
             self._running += 1
             self._idle.clear()
             try:
-                await job(*args)
+                async with asyncio.timeout(limit_s):
+                    await job(*args)
+            except TimeoutError:
+                log.error("%s ran past its limit of %.0f s and was stopped", job.__name__, limit_s)
             finally:
                 self._running -= 1
                 if not self._running:
@@ -205,9 +225,37 @@ class Maintenance:
 
     def start(self) -> None:
         self.scheduler.start()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_clock())
+
+    async def _watch_clock(self) -> None:
+        wall, mono = time.time(), time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)  # monotonic: unmoved by the wall clock
+            now_wall, now_mono = time.time(), time.monotonic()
+            self.clock_stepped(now_wall - wall, now_mono - mono)
+            wall, mono = now_wall, now_mono
+
+    def clock_stepped(self, wall_moved_s: float, elapsed_s: float) -> bool:
+        """Called with how far the wall clock moved and how much time really passed: when the
+        wall clock went back, every maintenance job runs now (and on from there) rather than
+        once the wall clock catches up. Schedules keep their wall-clock times."""
+        if wall_moved_s >= elapsed_s - CLOCK_STEP_S:
+            return False
+        self.clock_steps += 1
+        log.warning(
+            "the wall clock went back %.0f s; maintenance jobs rescheduled from now",
+            elapsed_s - wall_moved_s,
+        )
+        now = datetime.now(UTC)
+        for job_id in self._interval_jobs:
+            with contextlib.suppress(Exception):  # a job gone (shut down) has nothing to move
+                self.scheduler.modify_job(job_id, next_run_time=now)
+        return True
 
     def shutdown(self) -> None:
         """Stop at once: a job in flight is cancelled (and logged as failed by APScheduler)."""
+        if self._watch is not None:
+            self._watch.cancel()
         self.scheduler.shutdown(wait=False)
 
     async def stop(self, timeout: float = 5.0) -> None:
@@ -246,8 +294,14 @@ class Maintenance:
         """Deferred work that has come due goes back into the claim's index (and its lanes are
         rung), in bounded batches like the archive, so a retry storm drains in seconds."""
         try:
-            async for n in self._batches(self.bus.promote_due, self.bus.config.maintenance_batch):
-                self.promoted += n
+            # Bounded apart: it shares its tick with the reclaim, which must not wait on it.
+            async with asyncio.timeout(PROMOTE_LIMIT_S):
+                async for n in self._batches(
+                    self.bus.promote_due, self.bus.config.maintenance_batch
+                ):
+                    self.promoted += n
+        except TimeoutError:
+            log.error("promoting due work ran past %.0f s and was stopped", PROMOTE_LIMIT_S)
         except Exception:
             log.exception("promoting due work failed")
 
@@ -269,8 +323,11 @@ class Maintenance:
             log.exception("month rollover check failed")
 
     async def expire(self) -> None:
+        """Batches until a short one (one batch a tick let a backlog of over-age work be
+        claimed and run before it was expired)."""
         try:
-            self.expired += await self.bus.expire()
+            async for n in self._batches(self.bus.expire, self.bus.config.maintenance_batch):
+                self.expired += n
         except Exception:
             log.exception("expire failed")
 

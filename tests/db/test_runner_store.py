@@ -857,12 +857,64 @@ async def test_maintenance_stop_lets_jobs_in_flight_finish(rstore: PgRunnerStore
             await conn.execute("SELECT pg_sleep(0.3)")
         finished.set()
 
-    maintenance.scheduler.add_job(maintenance._tracked(slow), "date")
+    maintenance.scheduler.add_job(maintenance._tracked(slow, 60), "date")
     maintenance.start()
     await asyncio.wait_for(started.wait(), 5)
     await maintenance.stop(timeout=5)
     assert finished.is_set()
     assert not maintenance.scheduler.running
+
+
+async def test_a_maintenance_job_that_never_returns_is_stopped_at_its_limit(
+    rstore: PgRunnerStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With one instance per job, a statement that never returned held its job for good.
+    maintenance = Maintenance(Bus(rstore), rstore)
+
+    async def hangs() -> None:
+        async with rstore.db.system_conn() as conn:
+            await conn.execute("SELECT pg_sleep(600)")
+
+    began = time.monotonic()
+    await maintenance._tracked(hangs, 0.3)()
+    assert time.monotonic() - began < 5
+    assert "hangs ran past its limit" in caplog.text
+    assert maintenance._idle.is_set()  # counted as ended: a stop does not wait for it
+
+
+async def test_a_wall_clock_set_back_reschedules_maintenance_from_now(
+    rstore: PgRunnerStore,
+) -> None:
+    """Interval jobs wait for wall-clock times: set back by ten minutes, every maintenance job
+    waited ten minutes (no reclaim, no expiry, no release of dead spend holds)."""
+    maintenance = Maintenance(Bus(rstore), rstore, reclaim_every=timedelta(hours=1))
+    maintenance.start()
+    try:
+        later = datetime.now(UTC) + timedelta(minutes=10)
+        for job in maintenance.scheduler.get_jobs():
+            job.modify(next_run_time=later)  # as a step back of the clock leaves them
+        assert not maintenance.clock_stepped(1.0, 1.0)  # time going on as it should
+        assert maintenance.clock_stepped(-600.0, 1.0)
+        soon = datetime.now(UTC) + timedelta(seconds=5)
+        jobs = {j.name: j.next_run_time for j in maintenance.scheduler.get_jobs()}
+        assert jobs and all(t is not None and t <= soon for t in jobs.values()), jobs
+        assert maintenance.clock_steps == 1
+    finally:
+        await maintenance.stop()
+
+
+async def test_expiry_drains_a_backlog_in_one_tick(rstore: PgRunnerStore) -> None:
+    # One batch a tick let the claim hand out over-age work before it was expired.
+    bus = Bus(
+        rstore,
+        BusConfig(maintenance_batch=100, max_queue_age={Lane.INTERACTIVE: timedelta(minutes=5)}),
+    )
+    old = datetime.now(UTC) - timedelta(hours=1)
+    await bus.enqueue_many([req(bus, f"old{i}", now=old) for i in range(350)], now=old)
+    maintenance = Maintenance(bus, rstore)
+    await maintenance.expire()
+    assert maintenance.expired == 350
+    assert await claim(rstore, now=None) == []
 
 
 async def test_archiving_behind_a_long_reader_of_the_archive_skips_the_round(
