@@ -158,7 +158,15 @@ def load_pipelines(settings: Settings) -> tuple[list[Pipeline], list[Schedule]]:
         pipelines.extend(getattr(module, "PIPELINES", []))
         schedules.extend(getattr(module, "SCHEDULES", []))
     served = {(p.name, stage.name) for p in pipelines for stage in p.stages}
+    seen: set[tuple[str, str]] = set()
     for schedule in schedules:
+        if (schedule.tenant, schedule.name) in seen:
+            # A firing is keyed by the schedule's name and slot: the second one's firings would
+            # all be taken for the first's and dropped.
+            raise ConfigurationError(
+                f"schedule {schedule.name} of tenant {schedule.tenant} is declared twice"
+            )
+        seen.add((schedule.tenant, schedule.name))
         schedule_trigger(schedule)  # a bad crontab line stops the start, not each firing
         if (schedule.pipeline, schedule.stage) not in served:
             log.warning(

@@ -50,8 +50,20 @@ def schedule_trigger(schedule: Schedule) -> Any:
     assert schedule.cron is not None
     fields = schedule.cron.split()
     if len(fields) == 5:
+        if fields[2] != "*" and fields[4] != "*":
+            # crontab fires when either day field matches; APScheduler only when both do.
+            raise ConfigurationError(
+                f"schedule {schedule.name}: {schedule.cron!r} restricts both the day of the"
+                " month and the day of the week, which crontab reads as either one: declare"
+                " two schedules, one for each"
+            )
         fields[4] = _crontab_weekdays(fields[4], schedule.name)
-    return CronTrigger.from_crontab(" ".join(fields), timezone=UTC)
+    try:
+        return CronTrigger.from_crontab(" ".join(fields), timezone=UTC)
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"schedule {schedule.name}: {schedule.cron!r} is not a crontab line: {exc}"
+        ) from None
 
 
 # Standard crontab numbers weekdays from Sunday (0 and 7); APScheduler's from_crontab reads
@@ -62,8 +74,14 @@ _WEEKDAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
 
 def _crontab_weekdays(field: str, name: str) -> str:
     """A crontab day-of-week field with its numbers (0-7, Sunday = 0 or 7) as names."""
-    if field == "*" or any(c.isalpha() for c in field):
-        return field
+    if field == "*" or all(c.isalpha() or c in ",-" for c in field):
+        return field  # names (mon-fri, sat,sun): read alike by both
+    if any(c.isalpha() for c in field):
+        # Its numbers would be read from Monday, its names as names: "1,sat" ran on Tuesday.
+        raise ConfigurationError(
+            f"schedule {name}: day-of-week {field!r} mixes numbers and names: use one or the"
+            " other"
+        )
     days: set[int] = set()
     for part in field.split(","):
         span, _, step_text = part.partition("/")

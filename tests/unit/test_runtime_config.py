@@ -40,6 +40,26 @@ def test_a_bad_crontab_line_stops_the_start_not_each_firing(
         runtime.load_pipelines(settings)
 
 
+def test_a_schedule_declared_twice_stops_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A firing is keyed by the schedule's name and slot: the second one's were all dropped.
+    (tmp_path / "twice_schedules.py").write_text(
+        "from datetime import timedelta\n"
+        "from appliance.domain.schedule import Schedule\n"
+        "SCHEDULES = [Schedule('nightly', 'acme', 'demo', 'intake', 'k', every=timedelta(1)),\n"
+        "             Schedule('nightly', 'acme', 'other', 'intake', 'k', every=timedelta(1))]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = Settings(
+        runner={"pipelines": [], "pipeline_modules": ["twice_schedules"]}  # type: ignore[arg-type]
+    )
+    with pytest.raises(
+        ConfigurationError, match="schedule nightly of tenant acme is declared twice"
+    ):
+        runtime.load_pipelines(settings)
+
+
 def test_history_retention_is_read_from_the_environment_and_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

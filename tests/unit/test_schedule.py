@@ -44,3 +44,22 @@ def test_weekday_numbers_count_from_sunday(cron: str, days: list[str]) -> None:
 def test_a_weekday_outside_the_week_is_named() -> None:
     with pytest.raises(ConfigurationError, match="day-of-week '8' is outside 0-7"):
         schedule_trigger(Schedule("s", "acme", "p", "a", "k", cron="0 0 * * 8"))
+
+
+@pytest.mark.parametrize(
+    ("cron", "needle"),
+    [
+        # crontab: the 1st, the 15th and every Monday; APScheduler: only a Monday 1st or 15th.
+        ("0 0 1,15 * 1", "restricts both the day of the month and the day of the week"),
+        # Its numbers were read from Monday, its names as names: Tuesday and Saturday.
+        ("0 9 * * 1,sat", "mixes numbers and names"),
+        ("0 9 * * mon-5", "mixes numbers and names"),
+        ("@daily", "is not a crontab line"),
+    ],
+)
+def test_a_crontab_line_read_otherwise_than_crontab_reads_it_is_refused(
+    cron: str, needle: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=needle):
+        schedule_trigger(Schedule("s", "acme", "p", "a", "k", cron=cron))
+    assert _next_days("0 9 * * mon-fri") == ["Mon", "Tue", "Wed", "Thu", "Fri"]
