@@ -79,8 +79,7 @@ def _crontab_weekdays(field: str, name: str) -> str:
     if any(c.isalpha() for c in field):
         # Its numbers would be read from Monday, its names as names: "1,sat" ran on Tuesday.
         raise ConfigurationError(
-            f"schedule {name}: day-of-week {field!r} mixes numbers and names: use one or the"
-            " other"
+            f"schedule {name}: day-of-week {field!r} mixes numbers and names: use one or the other"
         )
     days: set[int] = set()
     for part in field.split(","):
