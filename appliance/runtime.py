@@ -32,7 +32,7 @@ from appliance.domain.pipeline import Pipeline, Registry
 from appliance.domain.schedule import Schedule
 from appliance.inference.cache import ModelCache
 from appliance.inference.lockfile import ModelsLock, load_lock
-from appliance.inference.pool import InferencePool, TierSpec
+from appliance.inference.pool import InferencePool, TierSpec, gpu_offload_supported
 from appliance.metering.meter import Meter
 from appliance.metering.sources import (
     EnergySource,
@@ -228,7 +228,12 @@ def build_meter(settings: Settings) -> Meter:
     if m.source == "estimate":
         source = estimate
     elif m.source == "auto":
-        source, skipped = choose_source(estimate)
+        inference = settings.inference
+        on_gpu = gpu_offload_supported() and any(
+            inference.tier(tier).n_gpu_layers != 0
+            for tier in model_lock(settings).profile(inference.profile)
+        )
+        source, skipped = choose_source(estimate, gpu_in_use=on_gpu)
         for name, why in skipped:
             log.info("energy source %s not used: %s", name, why)
     else:

@@ -47,11 +47,12 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def file_stamp(path: Path) -> tuple[int, int, int, int]:
+def file_stamp(path: Path) -> tuple[int, int, int, int, int]:
     """Identity and version of a file as the file system keeps them (device, inode, size,
-    modification time in ns): cheap to compare with the stamp taken when it was verified."""
+    modification and change times in ns): cheap to compare with the stamp taken when it was
+    verified. The change time too: a writer can set the modification time back, not that."""
     st = path.stat()
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Verified:
     entry: ModelEntry
     path: Path
     # The file as it was when hashed: a later load compares it, and hashes again if it moved.
-    stamp: tuple[int, int, int, int] | None = None
+    stamp: tuple[int, int, int, int, int] | None = None
 
 
 class ModelCache:

@@ -92,6 +92,16 @@ class ModelsLock(BaseModel):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ConfigurationError(f"models.lock names a model twice: {', '.join(sorted(dup))}")
+        by_file: dict[str, ModelEntry] = {}
+        for m in self.models:
+            first = by_file.setdefault(m.sha256, m)
+            if first.tier is not m.tier:
+                # One file declared as two tiers: the mechanical model could then serve
+                # reasoning work under another name, a downgrade nothing would show.
+                raise ConfigurationError(
+                    f"models.lock declares one file ({m.sha256[:12]}) as {first.name}"
+                    f" ({first.tier.value}) and as {m.name} ({m.tier.value})"
+                )
         for profile, tiers in self.profiles.items():
             for tier, model in tiers.items():
                 entry = self.model(model)
@@ -133,6 +143,13 @@ def append_entry(path: Path, entry: ModelEntry, profile: str | None = None) -> N
     lock = load_lock(path)
     if any(m.name == entry.name for m in lock.models):
         raise InvalidInput("name", f"models.lock already has a model named {entry.name!r}")
+    for m in lock.models:
+        if m.sha256 == entry.sha256 and m.tier is not entry.tier:
+            raise InvalidInput(
+                "tier",
+                f"this file is already registered as {m.name}, a {m.tier.value} model; one"
+                " file serves one tier",
+            )
     if profile is not None:
         if not re.match(r"^[a-z0-9][a-z0-9_-]{0,39}$", profile):
             raise InvalidInput("profile", f"{profile!r} is not a valid profile name")

@@ -69,7 +69,7 @@ class TierSpec:
     queue: int = 8
     # The verified file's stamp (cache.file_stamp): a (re)load of a file that changed since is
     # hashed again first, and refused if it no longer matches.
-    file_stamp: tuple[int, int, int, int] | None = None
+    file_stamp: tuple[int, int, int, int, int] | None = None
 
     @classmethod
     def of(
@@ -223,20 +223,35 @@ class _Worker(threading.Thread):
 
     def _build(self) -> None:
         spec = self.tier.spec
-        if spec.file_stamp is not None and file_stamp(spec.path) != spec.file_stamp:
-            # Changed on disk since it was verified (a rebuild after a failed call loads it
-            # again): verified again, never loaded unchecked.
-            size, digest = sha256_file(spec.path)
-            if digest != spec.sha256:
-                raise VerificationError(
-                    f"model {spec.model} at {spec.path} changed since it was verified: sha256"
-                    f" {digest} ({size} bytes), pinned {spec.sha256}; not loaded"
-                )
         # One load at a time in the process: with verbose=False, Llama() points the process's
         # stdout/stderr at /dev/null while it loads and restores them afterwards, which is not
-        # thread-safe; two loads at once can leave the whole process silenced.
+        # thread-safe; two loads at once can leave the whole process silenced. The file is
+        # checked under the lock, right before it is read (a file swapped while this waited
+        # for another load was loaded unchecked), and again once read.
         with _LOAD_LOCK:
+            self._check_unchanged(spec)
             self._load(spec)
+            try:
+                self._check_unchanged(spec, loaded=True)
+            except VerificationError:
+                self._drop()
+                raise
+
+    def _check_unchanged(self, spec: TierSpec, *, loaded: bool = False) -> None:
+        """Changed on disk since it was verified (a rebuild after a failed call loads it
+        again): verified again, never loaded, or kept loaded, unchecked."""
+        if spec.file_stamp is None or file_stamp(spec.path) == spec.file_stamp:
+            return
+        if loaded:
+            raise VerificationError(
+                f"model {spec.model} at {spec.path} changed while it was being loaded; dropped"
+            )
+        size, digest = sha256_file(spec.path)
+        if digest != spec.sha256:
+            raise VerificationError(
+                f"model {spec.model} at {spec.path} changed since it was verified: sha256"
+                f" {digest} ({size} bytes), pinned {spec.sha256}; not loaded"
+            )
 
     def _load(self, spec: TierSpec) -> None:
         self.llama = llama_cpp.Llama(
@@ -247,6 +262,9 @@ class _Worker(threading.Thread):
             n_gpu_layers=self.n_gpu_layers,
             chat_format=spec.chat_format,
             seed=0,
+            # Read into the process, not mapped: a mapped file changed on disk afterwards (in
+            # place, same inode) was served at once, under the pinned hash.
+            use_mmap=False,
             verbose=False,
         )
 

@@ -476,18 +476,23 @@ def choose_source(
     *,
     nvml: EnergySource | None = None,
     rapl: EnergySource | None = None,
+    gpu_in_use: bool = True,
 ) -> tuple[EnergySource, list[tuple[str, str]]]:
-    """Pick the most trusted usable source: NVML, then RAPL, then the estimate.
+    """Pick the most trusted usable source: NVML (only when a model runs on the GPU), then
+    RAPL, then the estimate.
 
     Returns the source and, for each one passed over, (its name, why it was not usable), so the
     runtime can announce that it runs on an estimate and why.
     """
-    candidates: list[EnergySource] = [
-        nvml if nvml is not None else NvmlSource(),
-        rapl if rapl is not None else RaplSource(),
-        estimate,
-    ]
     skipped: list[tuple[str, str]] = []
+    candidates: list[EnergySource] = []
+    if gpu_in_use:
+        candidates.append(nvml if nvml is not None else NvmlSource())
+    else:
+        # Calls that run on the CPU would be charged the GPU's (idle) power, labelled measured,
+        # and the CPU's own energy not at all.
+        skipped.append(("nvml", "no model tier runs on the GPU"))
+    candidates += [rapl if rapl is not None else RaplSource(), estimate]
     for source in candidates:
         usable, why = source.available()
         if usable:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import os
 import shutil
 import threading
 import time
@@ -35,6 +36,7 @@ from appliance.domain.inference import (
 from appliance.domain.pipeline import parse_output
 from appliance.inference import pool as pool_module
 from appliance.inference.cache import file_stamp
+from appliance.inference.lockfile import load_lock
 from appliance.inference.pool import InferencePool
 from appliance.metering.meter import Meter
 from appliance.metering.sources import EstimateSource, ThreadCpu, process_cpu_seconds
@@ -498,6 +500,52 @@ async def test_a_model_file_changed_since_it_was_verified_is_never_loaded(tmp_pa
         # Loaded again (as a worker is rebuilt after a call fails): refused, never served.
         await pool.stop_tier(Tier.MECHANICAL)
         await pool.start_tier(stamped)
+        assert not pool.health()["mechanical"]["up"]
+        assert "changed since it was verified" in str(pool.health()["mechanical"])
+    finally:
+        await pool.close()
+
+
+def test_one_file_declared_as_two_tiers_is_refused(tmp_path: Path) -> None:
+    # The mechanical model registered again as "reasoning" served reasoning work under another
+    # name: a downgrade nothing showed.
+    lock = tmp_path / "models.lock"
+    text = LOCK.read_text()
+    start = text.index("[[models]]")
+    end = text.index("[[models]]", start + 1)
+    twin = (
+        text[start:end]
+        .replace('name = "smollm2-135m-instruct-q4_1"', 'name = "smollm2-as-reasoning"')
+        .replace('tier = "mechanical"', 'tier = "reasoning"')
+    )
+    lock.write_text(text + "\n" + twin)
+    with pytest.raises(ConfigurationError, match=r"as smollm2-135m-instruct-q4_1 \(mechanical\)"):
+        load_lock(lock)
+
+
+async def test_a_model_file_swapped_while_it_waited_to_load_is_not_loaded(
+    tmp_path: Path,
+) -> None:
+    # The file was checked before the load lock was taken; one swapped while another model
+    # loaded was then loaded unchecked. And a writer that sets the modification time back no
+    # longer passes: the change time is in the stamp.
+    good = spec(Tier.MECHANICAL)
+    copy = tmp_path / good.path.name
+    shutil.copyfile(good.path, copy)
+    stamped = dataclasses.replace(good, path=copy, file_stamp=file_stamp(copy))
+    before = copy.stat()
+    with copy.open("r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(copy, ns=(before.st_atime_ns, before.st_mtime_ns))  # modification time set back
+    pool = InferencePool([stamped], cores=2)
+    with pool_module._LOAD_LOCK:  # another model loading: the start waits here
+        starting = asyncio.ensure_future(pool.start())
+        await asyncio.sleep(0.2)
+    try:
+        await starting
         assert not pool.health()["mechanical"]["up"]
         assert "changed since it was verified" in str(pool.health()["mechanical"])
     finally:

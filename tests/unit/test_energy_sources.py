@@ -268,6 +268,19 @@ def test_choose_source_prefers_a_readable_rapl_to_the_estimate(powercap: Path) -
     assert [name for name, _ in skipped] == ["nvml", "rapl"]
 
 
+def test_a_gpu_counter_is_not_used_when_no_model_runs_on_the_gpu(powercap: Path) -> None:
+    # Calls run on the CPU were charged the GPU's idle power, labelled measured.
+    gpu = NvmlSource(module=FakeNvml([5_000]))
+    assert gpu.available()[0]
+    chosen, _ = choose_source(estimate(), nvml=gpu, rapl=RaplSource(powercap))
+    assert chosen.name == "nvml"
+    chosen, skipped = choose_source(
+        estimate(), nvml=gpu, rapl=RaplSource(powercap), gpu_in_use=False
+    )
+    assert chosen.name == "rapl"
+    assert skipped == [("nvml", "no model tier runs on the GPU")]
+
+
 # --- ThreadCpu with real threads -----------------------------------------------------------
 
 BLOCK = b"\x5a" * (1 << 20)  # hashlib drops the GIL for buffers this large
