@@ -928,6 +928,7 @@ class Runner:
         status, error, result = "ok", None, None
         energy: float | None = None
         provenance: str | None = None
+        used_tokens = (0, 0)  # (prompt, completion) of a call stopped part way
         usage_unknown = False
         try:
             result = await self.inference.infer(request, found.tier, control)
@@ -946,6 +947,7 @@ class Runner:
             status, error = _call_status(exc)
             if isinstance(exc, InferenceError):
                 energy, provenance = exc.energy_joules, exc.energy_provenance
+                used_tokens = (exc.prompt_tokens or 0, exc.completion_tokens or 0)
             # Our task was cancelled (lease lost, overrun, shutdown) while the call was out:
             # what it used is not known here, so it is charged its whole reservation.
             usage_unknown = isinstance(exc, asyncio.CancelledError)
@@ -958,8 +960,8 @@ class Runner:
                         admission,
                         energy_joules=energy,
                         provenance=provenance,
-                        completion_tokens=result.completion_tokens if result else 0,
-                        prompt_tokens=result.prompt_tokens if result else 0,
+                        completion_tokens=result.completion_tokens if result else used_tokens[1],
+                        prompt_tokens=result.prompt_tokens if result else used_tokens[0],
                         failed=result is None,
                         usage_unknown=usage_unknown,
                         cut=result is not None and result.finish_reason == ENERGY_LIMIT,
@@ -980,8 +982,8 @@ class Runner:
                 model_sha256=result.model_sha256 if result else info.sha256,
                 status=status,
                 error=error,
-                prompt_tokens=result.prompt_tokens if result else 0,
-                completion_tokens=result.completion_tokens if result else 0,
+                prompt_tokens=result.prompt_tokens if result else used_tokens[0],
+                completion_tokens=result.completion_tokens if result else used_tokens[1],
                 queue_seconds=result.queue_seconds if result else 0.0,
                 ttft_seconds=result.ttft_seconds if result else 0.0,
                 total_seconds=result.total_seconds if result else 0.0,

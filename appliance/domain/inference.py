@@ -165,10 +165,13 @@ class CallRecord:
 
 
 class InferenceError(ApplianceError):
-    """A call failed; the pool goes on serving. `energy_joules`: what it used before failing."""
+    """A call failed; the pool goes on serving. `energy_joules`: what it used before failing;
+    the token counts, when it was stopped part way (a timeout, a cancel)."""
 
     energy_joules: float | None = None
     energy_provenance: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 class CapabilityUnavailable(InferenceError):

@@ -123,6 +123,7 @@ class _Stop(Exception):
         self.text = text  # what was generated until the stop (kept for an energy stop)
         self.limit = 0.0  # an energy stop: the joules allowed, and used when it stopped
         self.used = 0.0
+        self.prompt_tokens = 0  # the prompt's, once it was tokenized
 
     @classmethod
     def energy(cls, guard: EnergyGuard, tokens: int, text: str) -> _Stop:
@@ -361,16 +362,21 @@ class _Worker(threading.Thread):
             return self._call(job, started)
         except _Stop as stop:
             self._after_stop()
+            error: InferenceError
             if stop.why == "cancelled":
                 tier.count(requests_cancelled=1)
-                return CallCancelled(
+                error = CallCancelled(
                     f"cancelled; generation stopped after {stop.tokens} tokens", stop.tokens
                 )
-            tier.count(requests_refused=1)
-            return DeadlineExceeded(
-                f"the call ran past its timeout of {job.timeout:.1f} s; generation stopped "
-                f"after {stop.tokens} tokens"
-            )
+            else:
+                tier.count(requests_refused=1)
+                error = DeadlineExceeded(
+                    f"the call ran past its timeout of {job.timeout:.1f} s; generation stopped "
+                    f"after {stop.tokens} tokens"
+                )
+            # What it used, for the run budget and the call's record (it settled 0 tokens).
+            error.prompt_tokens, error.completion_tokens = stop.prompt_tokens, stop.tokens
+            return error
         except _RequestError as exc:
             self._after_stop()
             tier.count(requests_failed=1)
@@ -515,6 +521,7 @@ class _Worker(threading.Thread):
                 )
             except _Stop as cut:
                 if cut.why != "energy":
+                    cut.prompt_tokens = prompt_ids or prompt_tokens_n
                     raise
                 self._after_stop()
                 log.warning(

@@ -213,6 +213,9 @@ async def test_cancellation_stops_generation_within_a_few_tokens(
         await mechanical1.infer(ramble(400), Tier.MECHANICAL, control)
     assert at_cancel == [5]
     assert 5 <= info.value.tokens <= 5 + 4, info.value.tokens
+    # What it used rides on the error, for the run budget and the record (settled as 0).
+    assert info.value.completion_tokens == info.value.tokens
+    assert info.value.prompt_tokens is not None and info.value.prompt_tokens > 0
     # The worker is free again at once and serves the next request.
     after = await mechanical1.infer(ramble(4), Tier.MECHANICAL)
     assert after.completion_tokens >= 1
@@ -220,8 +223,10 @@ async def test_cancellation_stops_generation_within_a_few_tokens(
 
 
 async def test_a_call_timeout_stops_generation(mechanical1: InferencePool) -> None:
-    with pytest.raises(DeadlineExceeded, match="ran past its timeout"):
+    with pytest.raises(DeadlineExceeded, match="ran past its timeout") as info:
         await mechanical1.infer(ramble(400), Tier.MECHANICAL, CallControl(timeout=0.3))
+    assert info.value.prompt_tokens is not None and info.value.prompt_tokens > 0
+    assert info.value.completion_tokens is not None
 
 
 async def test_a_failing_call_leaves_the_pool_serving(mechanical1: InferencePool) -> None:
