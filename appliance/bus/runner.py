@@ -891,6 +891,9 @@ class Runner:
                 raise DeadlineExceeded("no time left in the stage for a model call")
             control.start_deadline = time.monotonic() + left
             control.timeout = left
+            # An end, not a length: time queued in the pool comes out of it, or the call ran
+            # past the stage's margin and the stage's own timeout ended it as an overrun.
+            control.finish_by = control.start_deadline
         info = self.inference.describe(found.tier)
         if info is None:
             raise CapabilityUnavailable(request.kind, found.min_tier)

@@ -217,6 +217,9 @@ class CallControl:
 
     start_deadline: float | None = None  # time.monotonic() value
     timeout: float | None = None  # seconds of processing
+    # time.monotonic() value the call ends by, however long it waited in the queue (a stage's
+    # time left is an end, not a length of processing).
+    finish_by: float | None = None
     cancel: asyncio.Event | None = None
     # Progress: called from the worker thread with the tokens generated so far, once per token.
     # Must be cheap and thread-safe (hand off to the loop with call_soon_threadsafe).

@@ -162,6 +162,7 @@ class _Job:
     start_deadline: float | None
     timeout: float | None
     on_token: Callable[[int], None] | None = None
+    finish_by: float | None = None
     energy_limit: float | None = None
     # Set by the worker while the call runs under a meter: the joules charged to it so far.
     energy_used: Callable[[], float] | None = None
@@ -370,9 +371,13 @@ class _Worker(threading.Thread):
                 )
             else:
                 tier.count(requests_refused=1)
+                bound = (
+                    f"its timeout of {job.timeout:.1f} s"
+                    if job.timeout is not None
+                    else "the end its caller set"
+                )
                 error = DeadlineExceeded(
-                    f"the call ran past its timeout of {job.timeout:.1f} s; generation stopped "
-                    f"after {stop.tokens} tokens"
+                    f"the call ran past {bound}; generation stopped after {stop.tokens} tokens"
                 )
             # What it used, for the run budget and the call's record (it settled 0 tokens).
             error.prompt_tokens, error.completion_tokens = stop.prompt_tokens, stop.tokens
@@ -450,7 +455,10 @@ class _Worker(threading.Thread):
         first: float | None = None
         generated = 0
         prompt_ids = 0
-        stop_at = started + job.timeout if job.timeout is not None else None
+        ends = [started + job.timeout] if job.timeout is not None else []
+        if job.finish_by is not None:
+            ends.append(job.finish_by)
+        stop_at = min(ends) if ends else None
         energy: EnergyGuard | None = None  # set once the prompt's length is known
         try:
 
@@ -881,6 +889,7 @@ class InferencePool:
             timeout=control.timeout,
             on_token=control.on_token,
             energy_limit=control.energy_limit,
+            finish_by=control.finish_by,
         )
         pool.submit(job)
         timer = None

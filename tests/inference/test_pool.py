@@ -229,6 +229,26 @@ async def test_a_call_timeout_stops_generation(mechanical1: InferencePool) -> No
     assert info.value.completion_tokens is not None
 
 
+async def test_a_call_ends_by_the_end_its_caller_set_however_long_it_queued(
+    mechanical1: InferencePool,
+) -> None:
+    # The timeout counts from the call's start; a stage's time left is an end. Queued behind
+    # another call, it ran past that end by its time in the queue.
+    ahead = asyncio.ensure_future(
+        mechanical1.infer(ramble(400), Tier.MECHANICAL, CallControl(timeout=0.5))
+    )
+    await asyncio.sleep(0.05)  # the first one holds the only worker
+    sent = time.monotonic()
+    end = sent + 1.0
+    with pytest.raises(DeadlineExceeded, match="ran past its timeout"):
+        await mechanical1.infer(
+            ramble(400), Tier.MECHANICAL, CallControl(timeout=1.0, finish_by=end)
+        )
+    assert time.monotonic() - sent < 1.3  # it queued about 0.45 s; it used to end at ~1.45 s
+    with pytest.raises(DeadlineExceeded):
+        await ahead
+
+
 async def test_a_failing_call_leaves_the_pool_serving(mechanical1: InferencePool) -> None:
     # More tokens than the context holds, a schema llama.cpp cannot make a grammar of, a token
     # callback that raises: each fails its call, named, and the model is not reloaded for it
