@@ -1268,7 +1268,6 @@ class Runner:
                     continue
                 ((attempt, _),) = batch
                 log.error("message %s: its result was refused: %s", attempt.message.id, exc)
-                self._acking = []
                 await self._fail(attempt, f"its result could not be stored: {exc.problem}")
                 self._finish(attempt)
                 continue
@@ -1281,14 +1280,11 @@ class Runner:
             finally:
                 self._acking = []
             for (attempt, _), outcome in zip(batch, outcomes, strict=True):
-                self._count_ack(attempt, outcome)
-
-    def _count_ack(self, attempt: _Attempt, outcome: AckOutcome) -> None:
-        if outcome is AckOutcome.APPLIED:
-            self.stats.completed += 1
-        else:
-            self.stats.late_acks += 1
-        self._finish(attempt)
+                if outcome is AckOutcome.APPLIED:
+                    self.stats.completed += 1
+                else:
+                    self.stats.late_acks += 1
+                self._finish(attempt)
 
     # -- heartbeats ---------------------------------------------------------------------------
 

@@ -83,6 +83,11 @@ def _raced(applied: bool, status: str | None, same_lease: bool | None) -> bool:
     return not applied and bool(same_lease) and status == MessageStatus.RUNNING
 
 
+def _refused(field_name: str, exc: psycopg.Error) -> InvalidInput:
+    """Input the database refused, as the caller's error naming what was refused."""
+    return InvalidInput(field_name, f"rejected by the database: {exc.diag.message_primary}")
+
+
 def _oldest(ages: Iterable[Any]) -> float | None:
     """The largest of the groups' ages (seconds), None when no group has one."""
     known = [float(a) for a in ages if a is not None]
@@ -255,8 +260,7 @@ class PgMessageStore:
         except (psycopg.errors.CheckViolation, psycopg.errors.DataError) as exc:
             # Validation should have caught it; as input the database refused, it stays the
             # caller's error (and a group of callers' statement is retried one by one).
-            problem = f"rejected by the database: {exc.diag.message_primary}"
-            raise InvalidInput("message", problem) from None
+            raise _refused("message", exc) from None
         answers = [EnqueueResult(id=row[1], new=row[2]) for row in rows]
         if len(unique) == len(requests):
             return answers  # no key repeated within the batch: the answers are in its order
@@ -407,8 +411,7 @@ class PgMessageStore:
         except psycopg.errors.DataError as exc:
             # A result or outcome the database cannot hold: the caller's data, never worth
             # sending again as it is (unlike a lost connection).
-            problem = f"rejected by the database: {exc.diag.message_primary}"
-            raise InvalidInput("completion", problem) from None
+            raise _refused("completion", exc) from None
         by_lease = {(r[0], r[4]): _ack(r[1], r[2], r[3]) for r in rows}
         raced = [(r[0], r[4]) for r in rows if _raced(r[1], r[2], r[3])]
         if raced:

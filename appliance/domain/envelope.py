@@ -173,7 +173,7 @@ def _clashing_key(value: object) -> str | None:
                     if text in seen:
                         return text
                     seen.add(text)
-        elif isinstance(item, list | tuple):  # never a string: not walked by the character
+        elif isinstance(item, (list, tuple)):  # never a string: not walked by the character
             for v in item:
                 if isinstance(v, _CONTAINERS):
                     push(v)

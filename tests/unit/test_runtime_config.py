@@ -25,16 +25,23 @@ def test_spawned_work_follows_the_same_bus_rules_as_enqueued_work() -> None:
     assert bus.context_max_bytes == runner.context_max_bytes == 2048
 
 
+def _serving_schedules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *lines: str) -> Settings:
+    """Settings whose runner serves a module declaring SCHEDULES = [*lines]."""
+    name = f"schedules_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(
+        "from datetime import timedelta\n"
+        "from appliance.domain.schedule import Schedule\n"
+        f"SCHEDULES = [{', '.join(lines)}]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return Settings(runner={"pipelines": [], "pipeline_modules": [name]})  # type: ignore[arg-type]
+
+
 def test_a_bad_crontab_line_stops_the_start_not_each_firing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "odd_schedules.py").write_text(
-        "from appliance.domain.schedule import Schedule\n"
-        "SCHEDULES = [Schedule('weekly', 'acme', 'p', 'a', 'k', cron='0 0 * * 9')]\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    settings = Settings(
-        runner={"pipelines": [], "pipeline_modules": ["odd_schedules"]}  # type: ignore[arg-type]
+    settings = _serving_schedules(
+        tmp_path, monkeypatch, "Schedule('weekly', 'acme', 'p', 'a', 'k', cron='0 0 * * 9')"
     )
     with pytest.raises(ConfigurationError, match="day-of-week '9' is outside 0-7"):
         runtime.load_pipelines(settings)
@@ -44,15 +51,11 @@ def test_a_schedule_declared_twice_stops_the_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A firing is keyed by the schedule's name and slot: the second one's were all dropped.
-    (tmp_path / "twice_schedules.py").write_text(
-        "from datetime import timedelta\n"
-        "from appliance.domain.schedule import Schedule\n"
-        "SCHEDULES = [Schedule('nightly', 'acme', 'demo', 'intake', 'k', every=timedelta(1)),\n"
-        "             Schedule('nightly', 'acme', 'other', 'intake', 'k', every=timedelta(1))]\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    settings = Settings(
-        runner={"pipelines": [], "pipeline_modules": ["twice_schedules"]}  # type: ignore[arg-type]
+    settings = _serving_schedules(
+        tmp_path,
+        monkeypatch,
+        "Schedule('nightly', 'acme', 'demo', 'intake', 'k', every=timedelta(1))",
+        "Schedule('nightly', 'acme', 'other', 'intake', 'k', every=timedelta(1))",
     )
     with pytest.raises(
         ConfigurationError, match="schedule nightly of tenant acme is declared twice"
