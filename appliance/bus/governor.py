@@ -288,6 +288,11 @@ class Governor:
                 )
         if admission.run_ask is not None:
             used_tokens = (prompt_tokens or 0) + (completion_tokens or 0)
+            if usage_unknown:
+                # As for its money: what it used is not known, so the run keeps the whole
+                # token reservation, never less (giving it back let a run's cancelled calls
+                # use tokens its budget never counted).
+                used_tokens = max(used_tokens, admission.estimate.tokens)
             await self.spend.run_adjust(
                 tenant=message.tenant,
                 source=message.source,

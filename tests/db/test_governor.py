@@ -314,3 +314,33 @@ async def test_a_refusal_of_the_run_check_reserves_nothing_of_the_run(
     assert run["exhausted"] == "calls" and run["used"] == {}
     # The run's one call is still there for a sibling.
     assert await one_call(governor, budget) is None
+
+
+@pytest.mark.parametrize(
+    ("unknown", "tokens", "kept"),
+    [
+        (False, (3, 4), 7),  # it ended and said what it used: that much
+        (True, (0, 0), 20),  # cancelled while out, nothing known: the whole reservation
+        (True, (12, 10), 22),  # cancelled, but it reported more than reserved: that
+    ],
+)
+async def test_a_runs_tokens_keep_what_a_call_may_have_used(
+    governor: Governor, db: Database, unknown: bool, tokens: tuple[int, int], kept: int
+) -> None:
+    # A call whose task was cancelled while it was out may have used every token it reserved;
+    # its run keeps them as it keeps the money, or a run's cancelled calls could use tokens
+    # its budget never counted.
+    message = await claimed(db, "r")
+    found = route("classify", {Tier.MECHANICAL})
+    assert found is not None
+    admission = await governor.admit(
+        message, budget=RunBudget(tokens=1000), verification=False, request=REQUEST,
+        route=found, model=MODEL,
+    )  # fmt: skip
+    assert admission.estimate.tokens == 20
+    await governor.settle(
+        message, admission, energy_joules=None, provenance=None, prompt_tokens=tokens[0],
+        completion_tokens=tokens[1], failed=unknown, usage_unknown=unknown,
+    )  # fmt: skip
+    run = await governor.spend.run_budget("acme", "t", "r")  # type: ignore[attr-defined]
+    assert run is not None and run["used"]["tokens"] == kept
