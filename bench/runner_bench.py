@@ -391,9 +391,11 @@ class TimedStore(PgRunnerStore):
         self._add("complete (batched acks)", t0, len(completions))
         return out
 
-    async def reclaim(self, *, batch: int = 500, now: datetime | None = None) -> list[int]:
+    async def reclaim(
+        self, *, batch: int = 500, now: datetime | None = None, **kw: Any
+    ) -> list[int]:
         t0 = time.perf_counter()
-        out = await super().reclaim(batch=batch, now=now)
+        out = await super().reclaim(batch=batch, now=now, **kw)
         self._add("reclaim (claim path)", t0, len(out))
         return out
 

@@ -186,7 +186,9 @@ class Bus:
         return await self.store.expire(limits, batch=self.config.maintenance_batch, now=now)
 
     async def reclaim(self, *, now: datetime | None = None) -> list[int]:
-        return await self.store.reclaim(batch=self.config.maintenance_batch, now=now)
+        return await self.store.reclaim(
+            batch=self.config.maintenance_batch, now=now, backoff=self.config.retry
+        )
 
     async def promote_due(self, *, now: datetime | None = None) -> int:
         """Deferred work that has come due becomes claimable (a bounded batch); how many."""

@@ -576,14 +576,14 @@ class Runner:
 
     async def _reclaim_on_claim_path(self) -> None:
         try:
-            reclaimed = await self.store.reclaim(batch=20, now=None)
+            reclaimed = await self.store.reclaim_due(batch=20, now=None, backoff=self.retry)
         except Exception:
             log.exception("reclaim on the claim path failed")
             return
-        if reclaimed:
-            # The doorbell rings for them too, but it may be off (listen = false).
-            self._hint(*Lane)
-            self._wake.set()
+        # Each goes back after a retry's backoff: woken for when it is due, as for a failed
+        # attempt (neither the doorbell nor the sweeper's promoter may be there to say so).
+        for due_in in sorted({round(d, 1) for _, d in reclaimed if d is not None}):
+            self._schedule_local_wake(due_in + 0.05)
 
     def _model_room(self) -> tuple[list[Tier], int | None]:
         """Tiers whose model work must not be claimed now (no room), and the least room left

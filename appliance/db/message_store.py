@@ -37,6 +37,7 @@ from appliance.domain.ports import (
     LaneCounts,
     Redrive,
 )
+from appliance.domain.retry import RetryPolicy
 
 SYSTEM_ACTOR = "bus"
 # A claim through the API applies no tenant concurrency limit unless asked (the runner does).
@@ -45,6 +46,9 @@ UNLIMITED = 1_000_000
 ENQUEUE_CHUNK = 1000
 # A stage not declared in any pipeline still gets a hard runtime limit.
 DEFAULT_MAX_RUNTIME = timedelta(minutes=10)
+
+# The default backoff of a reclaimed message: a failed attempt's (BusConfig.retry).
+RETRY = RetryPolicy()
 
 
 async def run_fenced(db: Database, name: str, lease: LeaseRef, **params: Any) -> bool:
@@ -507,13 +511,27 @@ class PgMessageStore:
                 expired += len(await cur.fetchall())
         return expired
 
-    async def reclaim(self, *, batch: int = 500, now: datetime | None = None) -> list[int]:
-        """Return expired leases to pending (or dead); the ids reclaimed, logged `lease_expired`."""
+    async def reclaim(
+        self, *, batch: int = 500, now: datetime | None = None, backoff: RetryPolicy = RETRY
+    ) -> list[int]:
+        """Return expired leases to pending after `backoff`'s delay for the attempts made (or
+        to dead); the ids reclaimed, logged `lease_expired`."""
+        return [mid for mid, _ in await self.reclaim_due(batch=batch, now=now, backoff=backoff)]
+
+    async def reclaim_due(
+        self, *, batch: int = 500, now: datetime | None = None, backoff: RetryPolicy = RETRY
+    ) -> list[tuple[int, float | None]]:
+        """As reclaim, with each message's seconds until its retry is due (None: dead)."""
+        params = {
+            "now": now,
+            "batch": batch,
+            "actor": SYSTEM_ACTOR,
+            "retry_base": backoff.base,
+            "retry_cap": backoff.cap,
+        }
         async with self.db.system_conn() as conn:
-            cur = await conn.execute(
-                q("message_reclaim"), {"now": now, "batch": batch, "actor": SYSTEM_ACTOR}
-            )
-            return [r["id"] for r in await cur.fetchall()]
+            cur = await conn.execute(q("message_reclaim"), params)
+            return [(r["id"], r["due_in"]) for r in await cur.fetchall()]
 
     async def promote_due(
         self, *, lanes: Sequence[Lane], batch: int = 500, now: datetime | None = None

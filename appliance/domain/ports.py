@@ -20,6 +20,7 @@ from appliance.domain.envelope import (
     MessageStatus,
 )
 from appliance.domain.inference import CallRecord, Tier
+from appliance.domain.retry import RetryPolicy
 
 
 class AckOutcome(StrEnum):
@@ -185,7 +186,15 @@ class MessageStore(Protocol):
 
     async def expire(self, limits: ExpireLimits, *, batch: int, now: datetime | None) -> int: ...
 
-    async def reclaim(self, *, batch: int, now: datetime | None) -> list[int]: ...
+    async def reclaim(
+        self, *, batch: int, now: datetime | None, backoff: RetryPolicy
+    ) -> list[int]: ...
+
+    async def reclaim_due(
+        self, *, batch: int, now: datetime | None, backoff: RetryPolicy
+    ) -> list[tuple[int, float | None]]:
+        """As reclaim, with each message's seconds until its retry is due (None: dead)."""
+        ...
 
     async def promote_due(
         self, *, lanes: Sequence[Lane], batch: int, now: datetime | None

@@ -155,7 +155,7 @@ WHERE m.id = victims.id
 RETURNING m.id;
 
 -- name: message_reclaim :many
--- Return running messages whose lease expired (by the database clock unless `now` is given) to pending, or to dead when attempts are used up; a bounded batch.
+-- Return running messages whose lease expired (by the database clock unless `now` is given) to pending after a retry's backoff (`retry_base` doubled per attempt, at most `retry_cap`, half-jittered, as a failed attempt's), or to dead when attempts are used up; a bounded batch.
 WITH stuck AS MATERIALIZED (
     SELECT id FROM agent_messages
     WHERE status = 'running'
@@ -167,8 +167,21 @@ WITH stuck AS MATERIALIZED (
 UPDATE agent_messages m
 SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
                   ELSE 'pending' END::message_status,
-    not_before = coalesce(%(now)s::timestamptz, now()),
-    deferred = false,
+    -- Backed off like a failed attempt (domain/retry.py): a message whose handler takes its
+    -- worker down (a native crash in the model, memory) would otherwise be taken again at
+    -- once by the next runner, and take that one down too, as fast as leases lapse. Dead
+    -- rows keep not_before as of now (nothing waits for it).
+    not_before = coalesce(%(now)s::timestamptz, now())
+        + CASE WHEN m.attempts >= m.max_attempts THEN interval '0'
+               -- In seconds, capped before it becomes an interval (as in retry.py).
+               ELSE interval '1 second'
+                    * least(extract(epoch FROM %(retry_base)s::interval)
+                                * power(2::double precision,
+                                        least(greatest(m.attempts, 1) - 1, 32)),
+                            extract(epoch FROM %(retry_cap)s::interval))
+                    * (0.5 + 0.5 * random()) END,
+    -- Out of the claim's index until due (migration 0020): the promoter puts it back.
+    deferred = m.attempts < m.max_attempts,
     lease_expires_at = NULL,
     lease_token = NULL,
     -- Says which way it ran out: "went silent" was also written of a live worker whose
@@ -185,7 +198,10 @@ SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
     status_actor = %(actor)s
 FROM stuck
 WHERE m.id = stuck.id
-RETURNING m.id;
+-- due_in: seconds until its retry is due, by the clock the statement used (NULL: dead).
+RETURNING m.id, CASE WHEN m.status = 'pending'
+                     THEN extract(epoch FROM m.not_before - coalesce(%(now)s::timestamptz, now()))
+                          ::double precision END AS due_in;
 
 -- name: message_promote_due :one
 -- Put deferred work that has come due (a retry's backoff over, a not_before reached) back into the claim's index, a bounded batch, lane by lane in the order given (claim order), each oldest due first; ring each lane it fills (migrations 0020, 0021).

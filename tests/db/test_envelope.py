@@ -212,9 +212,11 @@ async def test_stale_worker_cannot_write(bus: Bus) -> None:
     await bus.enqueue(now=T0, **vars_of(req(bus, "s")))
     (old,) = await bus.claim("old", lease=timedelta(seconds=30), now=T0)
     assert await bus.reclaim(now=T0 + timedelta(seconds=31)) == [old.id]
-    (new,) = await bus.claim("new", lease=timedelta(seconds=30), now=T0 + timedelta(seconds=32))
+    due = T0 + timedelta(seconds=34)  # its backoff after one attempt: at most 2 s
+    assert await bus.promote_due(now=due) == 1
+    (new,) = await bus.claim("new", lease=timedelta(seconds=30), now=due)
     assert new.id == old.id and new.lease_token != old.lease_token and new.attempts == 2
-    at = T0 + timedelta(seconds=33)
+    at = T0 + timedelta(seconds=35)
     assert (await bus.heartbeat(old.lease, now=at)).outcome is AckOutcome.STALE
     assert await bus.complete(old.lease, {"by": "old"}, now=at) is AckOutcome.STALE
     assert await bus.fail(old, "late", now=at) is FailOutcome.STALE
@@ -271,8 +273,9 @@ async def test_two_attempts_of_one_message_acknowledged_together(bus: Bus) -> No
     await bus.enqueue(now=T0, **vars_of(req(bus, "twice")))
     (old,) = await bus.claim("w", lease=timedelta(seconds=30), now=T0)
     assert await bus.reclaim(now=T0 + timedelta(seconds=31)) == [old.id]
-    (new,) = await bus.claim("w", lease=timedelta(seconds=30), now=T0 + timedelta(seconds=32))
-    at = T0 + timedelta(seconds=33)
+    assert await bus.promote_due(now=T0 + timedelta(seconds=34)) == 1
+    (new,) = await bus.claim("w", lease=timedelta(seconds=30), now=T0 + timedelta(seconds=34))
+    at = T0 + timedelta(seconds=35)
     outcomes = await bus.store.complete(
         [Completion(old.lease, {"by": "old"}), Completion(new.lease, {"by": "new"})],
         actor="w",
@@ -281,6 +284,33 @@ async def test_two_attempts_of_one_message_acknowledged_together(bus: Bus) -> No
     assert outcomes == [AckOutcome.STALE, AckOutcome.APPLIED]
     done = await bus.get("acme", new.id)
     assert done is not None and done.result == {"by": "new"}
+
+
+async def test_a_reclaimed_message_backs_off_like_a_failed_attempt(bus: Bus) -> None:
+    # A handler that takes its worker down (a native crash, memory) must not take the next
+    # runner down at once, and the one after: a lapsed lease waits a retry's backoff, doubled
+    # per attempt (half-jittered: base 2 s, so 1-2 s after one attempt, 2-4 s after two), out
+    # of the claim's index until due; the last attempt's goes dead, not deferred.
+    await bus.enqueue(now=T0, max_attempts=3, **vars_of(req(bus, "crash")))
+    at = T0
+    for attempt, (low, high) in enumerate([(1, 2), (2, 4)], start=1):
+        (m,) = await bus.claim("w", lease=timedelta(seconds=30), now=at)
+        assert m.attempts == attempt
+        at += timedelta(seconds=31)
+        assert await bus.reclaim(now=at) == [m.id]
+        got = await bus.get("acme", m.id)
+        assert got is not None and got.status is MessageStatus.PENDING
+        wait = (got.not_before - at).total_seconds()
+        assert low <= wait <= high, wait
+        assert await bus.claim("w", now=at + timedelta(seconds=high)) == []  # not promoted
+        assert await bus.promote_due(now=got.not_before - timedelta(microseconds=1)) == 0
+        at = got.not_before
+        assert await bus.promote_due(now=at) == 1
+    (m,) = await bus.claim("w", lease=timedelta(seconds=30), now=at)
+    at += timedelta(seconds=31)
+    assert await bus.reclaim(now=at) == [m.id]
+    got = await bus.get("acme", m.id)
+    assert got is not None and got.status is MessageStatus.DEAD and got.not_before == at
 
 
 async def test_heartbeat_extends_and_reports_cancel(bus: Bus) -> None:

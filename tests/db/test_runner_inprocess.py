@@ -399,7 +399,8 @@ async def test_the_claim_path_reclaims_and_runs_stranded_work_without_a_doorbell
     fresh_db: Endpoints,
 ) -> None:
     """No sweeper and no doorbell: a lease left behind by a dead worker is reclaimed on the
-    claim path, and the work runs at once rather than at the next fallback poll."""
+    claim path, and the work runs once its retry backoff is over (1-2 s), not at the next
+    fallback poll."""
     async with opened(fresh_db, PIPES) as store:
         bus = Bus(store)
         r = await bus.enqueue(**request(bus, "quick", "stranded"))

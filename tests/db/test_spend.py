@@ -236,7 +236,9 @@ async def test_a_hold_whose_lease_is_gone_keeps_its_room_until_its_call_settles(
     status = {r["scope"]: r for r in await spend.status(now=None)}
     assert (status["appliance"]["spent"], status["appliance"]["reserved"]) == (Decimal("0.6"), 0)
     # The re-run of the same work does not fit beside the old call's charge.
-    (again,) = await bus.claim("w", limit=1, now=later)
+    rerun = later + timedelta(seconds=2)  # its backoff after one attempt
+    assert await bus.promote_due(now=rerun) == 1
+    (again,) = await bus.claim("w", limit=1, now=rerun)
     refused = await reserve(spend, now, lease=again.lease, amount=Decimal("0.6"))
     assert isinstance(refused, Refusal)
     # The old call ends: its measured cost replaces the upper bound, and room comes back.

@@ -368,8 +368,18 @@ class EnvelopeMachine(RuleBasedStateMachine):
         assert sorted(got) == sorted(m.id for m in stuck)
         for m in stuck:
             m.expires = None
-            m.not_before = self.now
-            m.move(S.DEAD if m.attempts >= m.max_attempts else S.PENDING, "lease_expired")
+            if m.attempts >= m.max_attempts:
+                m.not_before = self.now
+                m.move(S.DEAD, "lease_expired")
+            else:
+                # A failed attempt's backoff, jittered by the database per row: anywhere from
+                # the model's floor to twice it.
+                floor = self.now + backoff(m.attempts)
+                got_at = self.row(m.id).not_before
+                assert floor <= got_at <= floor + backoff(m.attempts), (got_at, floor)
+                m.not_before = got_at
+                m.deferred = True
+                m.move(S.PENDING, "lease_expired")
             m.token = None
 
     @precondition(lambda self: self.any_in(S.DEAD))
