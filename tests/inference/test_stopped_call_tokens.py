@@ -1,0 +1,137 @@
+"""A model call stopped part way charges its run the tokens it used, and its record shows them.
+
+The runner, the real pool and the real small model, real PostgreSQL and the governor: a stage
+whose call runs past the time its deadline leaves it is stopped by the pool after some tokens.
+The run budget settled such a call at 0 tokens (the whole token reservation given back, so a
+run's timed-out calls used tokens its budget never counted) and the call was recorded with 0
+tokens; both now carry what the model read and wrote before the stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+
+from appliance.bus.core import Bus
+from appliance.bus.governor import Governor, GovernorConfig
+from appliance.bus.runner import Runner, RunnerConfig
+from appliance.db.database import Database, Endpoints
+from appliance.db.listener import PgDoorbell
+from appliance.db.runner_store import PgRunnerStore
+from appliance.db.spend_store import PgSpendStore
+from appliance.db.tenant_store import PgTenantStore
+from appliance.domain.budget import RunBudget
+from appliance.domain.cost import Pricing, Tariff
+from appliance.domain.inference import Tier
+from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
+from appliance.inference.pool import InferencePool
+from appliance.metering.meter import Meter
+from appliance.metering.sources import EstimateSource, ThreadCpu, process_cpu_seconds
+from tests.inference.models import spec
+from tests.inference.rigs import DbChecks
+
+# A prompt the model keeps writing after: 800 tokens take it about 10 s on one thread here.
+RAMBLE = "Here is a very long story about a dragon, told in great detail. Once upon a time,"
+# What the stage's deadline leaves its call, once the runner's persist margin is kept free.
+CALL_TIME = timedelta(seconds=2)
+MARGIN = timedelta(seconds=60)
+
+
+async def ramble(ctx: StageContext) -> StageResult:
+    await ctx.infer("extract", RAMBLE, max_tokens=800)
+    return ctx.finish({"unreachable": True})
+
+
+PIPES = [
+    Pipeline(
+        "ramble",
+        (Stage("run", ramble, task_kind="extract", uses_model=True, max_attempts=1),),
+        budget=RunBudget(tokens=100_000, verification_reserve=Decimal(0)),
+    )
+]
+
+
+@dataclass
+class Rig(DbChecks):
+    bus: Bus
+    db: Database
+
+
+@pytest.fixture
+async def rig(fresh_db: Endpoints) -> AsyncIterator[Rig]:
+    db = Database(fresh_db, max_size=8)
+    await db.open()
+    await PgTenantStore(db).add("acme")
+    store = PgRunnerStore(db)
+    await store.sync_pipelines(PIPES)
+    spend = PgSpendStore(db)
+    await spend.set_cap("appliance", Decimal("10"))
+    meter = Meter(
+        EstimateSource(10.0, 15.0, process_cpu_seconds, time.monotonic()),
+        ThreadCpu(),
+        {"cpu": 10.0},
+    )
+    pool = InferencePool([spec(Tier.MECHANICAL, n_ctx=1024)], cores=2, meter=meter)
+    await pool.start()
+    pricing = Pricing(
+        tariff=Tariff(price_per_kwh=Decimal("1.0")),
+        default_joules_per_token=Decimal("1000"),
+        safety_factor=Decimal("1.0"),
+    )
+    governor = Governor(spend, GovernorConfig(pricing), actor="gov")
+    config = RunnerConfig(
+        worker_id="stopped", concurrency=4, lease=timedelta(seconds=10),
+        poll_interval=timedelta(seconds=5), report_every=timedelta(seconds=0.5),
+        persist_margin=MARGIN,
+    )  # fmt: skip
+    runner = Runner(
+        store, Registry(PIPES), config, doorbell=PgDoorbell(fresh_db.system), inference=pool,
+        governor=governor,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield Rig(Bus(store), db)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await pool.close()
+        await db.close()
+
+
+async def test_a_call_stopped_by_its_timeout_charges_the_run_the_tokens_it_used(rig: Rig) -> None:
+    mid = (
+        await rig.bus.enqueue(
+            tenant="acme", pipeline="ramble", stage="run", source="t", source_id="r1",
+            directive="tell it", deadline=datetime.now(UTC) + MARGIN + CALL_TIME,
+        )
+    ).id  # fmt: skip
+
+    async def ended() -> bool:
+        rows = await rig.rows(
+            "SELECT status::text AS s FROM agent_messages WHERE id = %(i)s", {"i": mid}
+        )
+        settled = await rig.rows("SELECT 1 FROM spend_ledger WHERE status <> 'reserved'")
+        return bool(settled) and [r["s"] for r in rows] == ["dead"]
+
+    await rig.wait(ended, timeout=30, what="the stopped call's message to end")
+    (call,) = await rig.rows(
+        "SELECT status, error, prompt_tokens, completion_tokens FROM inference_calls "
+        "WHERE message_id = %(i)s",
+        {"i": mid},
+    )
+    assert call["status"] == "refused" and "ran past its timeout" in call["error"], call
+    # Stopped part way: the prompt was read and some of the 800 tokens written, not all.
+    assert call["prompt_tokens"] > 0, call
+    assert 0 < call["completion_tokens"] < 800, call
+    used = call["prompt_tokens"] + call["completion_tokens"]
+    (run,) = await rig.rows("SELECT used FROM run_budgets WHERE source = 't' AND source_id = 'r1'")
+    # The run keeps what the call used: its reservation settled to the tokens, not to 0.
+    assert run["used"]["tokens"] == used, run
+    assert run["used"]["calls"] == 1, run
