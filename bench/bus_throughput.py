@@ -18,7 +18,10 @@ What it measures (messages per second, median of 3 repeats, fresh data for every
 Diagnostic rows (clearly labelled, not product figures) follow: a bare round trip, the raw insert
 wrapped in the bus's transaction shape, the bus with its log triggers or NOTIFY switched off
 (scratch databases), claims against a shallow queue (also beside many messages held running,
-claimed after the last ANALYZE), and per-statement plans and timings of the Bus calls from
+claimed after the last ANALYZE), the floor (the raw queue plus only what the issue requires of every
+message: a unique idempotency key and a transition log by statement trigger, in a database of its
+own: how much of the gap to raw those requirements explain), and per-statement plans and
+timings of the Bus calls from
 auto_explain (ANALYZE, BUFFERS, nested statements and triggers included, which a top-level
 EXPLAIN of the named queries cannot show once they call PL/pgSQL).
 
@@ -82,6 +85,7 @@ PORT = 55433
 TENANT = "bench"
 BUS_DB = "bench_bus"
 RAW_DB = "bench_raw"
+FLOOR_DB = "bench_floor"
 # Scratch databases for the diagnostics, each with one part of the envelope switched off.
 DIAG_SETUP: dict[str, tuple[str, ...]] = {
     "bench_diag_no_triggers": (
@@ -341,9 +345,45 @@ RAW_CLAIM = (
 )
 RAW_DONE = "UPDATE jobs SET status = 'done' WHERE id = ANY(%s)"
 
+# The floor: the raw queue plus only what the issue itself requires of every message, each done
+# the cheapest way: an idempotency key (unique per tenant; a duplicate answers the existing row)
+# and a transition log written by statement-level triggers (one row per status change, with
+# the bus's log indexes). No RLS, tenants, fairness, leases, hand-offs or doorbell. What the bus
+# costs above it is its own design, not what the issue asks of it.
+FLOOR_SCHEMA = (
+    "DROP TABLE IF EXISTS jobs, job_log CASCADE",
+    "CREATE TABLE jobs (id bigserial PRIMARY KEY, tenant text NOT NULL DEFAULT 'bench',"
+    " key text NOT NULL, payload jsonb, status text DEFAULT 'pending', locked_by text)",
+    "CREATE UNIQUE INDEX jobs_key_idx ON jobs (tenant, key)",
+    "CREATE INDEX jobs_pending_idx ON jobs (id) WHERE status = 'pending'",
+    "CREATE TABLE job_log (id bigserial PRIMARY KEY, job_id bigint NOT NULL,"
+    " from_status text, to_status text NOT NULL, actor text,"
+    " at timestamptz NOT NULL DEFAULT now())",
+    "CREATE INDEX job_log_job_idx ON job_log (job_id, id)",
+    "CREATE OR REPLACE FUNCTION log_inserted() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+    " INSERT INTO job_log (job_id, to_status) SELECT n.id, n.status FROM new_rows n;"
+    " RETURN NULL; END $$",
+    "CREATE OR REPLACE FUNCTION log_updated() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+    " INSERT INTO job_log (job_id, from_status, to_status, actor)"
+    " SELECT n.id, o.status, n.status, n.locked_by"
+    " FROM new_rows n JOIN old_rows o ON o.id = n.id WHERE n.status <> o.status;"
+    " RETURN NULL; END $$",
+    "CREATE TRIGGER jobs_inserted AFTER INSERT ON jobs REFERENCING NEW TABLE AS new_rows"
+    " FOR EACH STATEMENT EXECUTE FUNCTION log_inserted()",
+    "CREATE TRIGGER jobs_updated AFTER UPDATE ON jobs REFERENCING OLD TABLE AS old_rows"
+    " NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION log_updated()",
+)
+FLOOR_INSERT = (
+    "INSERT INTO jobs (key, payload) VALUES (%s, %s::jsonb)"
+    " ON CONFLICT (tenant, key) DO UPDATE SET key = excluded.key RETURNING id, xmax = 0 AS new"
+)
+
 
 class RawTarget:
     """The minimal job queue: one table, plain async psycopg, autocommit, default durability."""
+
+    schema: tuple[str, ...] = RAW_SCHEMA
+    tables = "jobs"
 
     def __init__(self, admin: str, server_pid: int | None) -> None:
         self.admin = admin
@@ -354,7 +394,7 @@ class RawTarget:
         self.wrapped = Database(Endpoints(admin, admin, admin), min_size=1, max_size=1)
 
     async def open(self, count: int = 8) -> None:
-        await self.sql(*RAW_SCHEMA)
+        await self.sql(*self.schema)
         for _ in range(count):
             self.conns.append(await psycopg.AsyncConnection.connect(self.admin, autocommit=True))
         await self.wrapped.open()
@@ -370,7 +410,7 @@ class RawTarget:
                 await conn.execute(statement)
 
     async def reset(self) -> None:
-        await self.sql("TRUNCATE jobs", "CHECKPOINT")
+        await self.sql(f"TRUNCATE {self.tables}", "CHECKPOINT")
 
     def meter(self, n: int) -> Meter:
         return Meter(self.server_pid, n)
@@ -378,14 +418,27 @@ class RawTarget:
     async def single(self, n: int, tasks: int) -> Sample:
         await self.reset()
 
+        tag = fresh_tag()
+
         async def run(conn: psycopg.AsyncConnection[Any], part: int) -> None:
             for i in range(part, n, tasks):
-                await (await conn.execute(RAW_INSERT, (_payload(i),))).fetchone()
+                await (await conn.execute(*self.insert(tag, i))).fetchone()
 
         with self.meter(n) as m:
             await asyncio.gather(*(run(self.conns[p], p) for p in range(tasks)))
         assert m.sample is not None
         return m.sample
+
+    def insert(self, tag: str, i: int) -> tuple[str, tuple[str, ...]]:
+        """One message's INSERT and its parameters."""
+        return RAW_INSERT, (_payload(i),)
+
+    def prefill(self, n: int) -> str:
+        """The statement that queues `n` messages for the claim measurements."""
+        return (
+            "INSERT INTO jobs (payload) SELECT jsonb_build_object('i', g)"
+            f" FROM generate_series(1, {int(n)}) AS g"
+        )
 
     async def single_bus_shape(self, n: int) -> Sample:
         """Diagnostic: the raw insert on a pooled connection, the way bus.enqueue sends its
@@ -417,8 +470,7 @@ class RawTarget:
     async def claim_complete(self, n: int, workers: int, limit: int) -> Sample:
         await self.reset()
         await self.sql(
-            "INSERT INTO jobs (payload) SELECT jsonb_build_object('i', g)"
-            f" FROM generate_series(1, {int(n)}) AS g",
+            self.prefill(n),
             "ANALYZE jobs",
             "CHECKPOINT",
         )
@@ -438,6 +490,22 @@ class RawTarget:
         assert sum(counts) == n, f"claimed {sum(counts)} of {n}"
         assert m.sample is not None
         return m.sample
+
+
+class FloorTarget(RawTarget):
+    """The raw queue with only what the issue requires of every message (FLOOR_SCHEMA)."""
+
+    schema = FLOOR_SCHEMA
+    tables = "jobs, job_log"
+
+    def insert(self, tag: str, i: int) -> tuple[str, tuple[str, ...]]:
+        return FLOOR_INSERT, (f"{tag}-{i}", _payload(i))
+
+    def prefill(self, n: int) -> str:
+        return (
+            "INSERT INTO jobs (key, payload) SELECT g::text, jsonb_build_object('i', g)"
+            f" FROM generate_series(1, {int(n)}) AS g"
+        )
 
 
 # -- EXPLAIN diagnostics --------------------------------------------------------------------------
@@ -751,6 +819,13 @@ async def _repeat(steps: Sequence[tuple[Measurement, Step]], repeats: int) -> No
             )
 
 
+FLOOR_LABEL = (
+    "floor (the raw queue + a unique idempotency key + a transition log by statement trigger,"
+    " nothing else)"
+)
+FLOOR_SINGLE, FLOOR_CLAIM_W1, FLOOR_CLAIM_W4 = "floor: x1", "floor: claim10 x1", "floor: claim10 x4"
+
+
 def _m(name: str) -> Measurement:
     return Measurement(name)
 
@@ -772,11 +847,13 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
 
     bus = BusTarget(psycopg.conninfo.make_conninfo(admin, dbname=BUS_DB), server_pid)
     raw = RawTarget(raw_admin, server_pid)
+    floor = FloorTarget(create_database(admin, FLOOR_DB), server_pid)
     no_trg, no_notify = (BusTarget(diag_admins[n], server_pid) for n in DIAG_SETUP)
     targets = [bus, no_trg, no_notify]
     for target in targets:
         await target.open()
     await raw.open()
+    await floor.open()
     try:
         rows = [
             Row("single enqueue, sequential", _m("bus enqueue x1"), _m("raw INSERT x1")),
@@ -939,6 +1016,18 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
                 ),
                 lambda: raw.claim_complete(ns, 4, 10),
             ),
+            (
+                Row(FLOOR_LABEL + ": INSERT, sequential", _m(FLOOR_SINGLE)),
+                lambda: floor.single(s.single, 1),
+            ),
+            (
+                Row(FLOOR_LABEL + ": claim10 + done, 1 worker", _m(FLOOR_CLAIM_W1)),
+                lambda: floor.claim_complete(nc, 1, 10),
+            ),
+            (
+                Row(FLOOR_LABEL + ": claim10 + done, 4 workers", _m(FLOOR_CLAIM_W4)),
+                lambda: floor.claim_complete(nc, 4, 10),
+            ),
         ]
         diagnostics = [row for row, _ in diag_plan]
         await _repeat([(row.bus, step) for row, step in diag_plan], s.repeats)
@@ -947,6 +1036,7 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
         explained = await explain_all(diag_admins[EXPLAIN_DB], server_pid, nc, ns)
     finally:
         await raw.close()
+        await floor.close()
         for target in targets:
             await target.close()
 
@@ -1160,6 +1250,25 @@ def _reading(report: Report) -> list[str]:
             f" {depth} but {fmt_rate(w1)} at {ns}; 4 workers {fmt_rate(cc_w4.bus.median)} vs"
             f" {fmt_rate(w4)}. At {ns} with the log triggers OFF: {fmt_rate(t1)} (1 worker),"
             f" {fmt_rate(t4)} (4 workers); raw at {ns}, 4 workers: {fmt_rate(r4)}."
+        )
+    floors = [
+        (single_seq, diag.get(FLOOR_SINGLE)),
+        (cc_w1, diag.get(FLOOR_CLAIM_W1)),
+        (cc_w4, diag.get(FLOOR_CLAIM_W4)),
+    ]
+    parts = [
+        f"{row.label}: floor {fmt_rate(f.median)} msgs/s = {f.median / row.raw.median:.2f}x raw"
+        f" (the bus: {row.bus.median / row.raw.median:.2f}x)"
+        for row, f in floors
+        if f is not None and row.raw is not None and row.raw.samples and f.samples
+    ]
+    if parts:
+        out.append(
+            "- what the issue itself asks of every message (a unique idempotency key and a"
+            " transition log by trigger), added to the raw queue and nothing else: "
+            + "; ".join(parts)
+            + ". The rest of the gap is the bus's own design (tenants, fairness, limits, leases,"
+            " RLS, hand-offs, doorbell, wide rows) and its client."
         )
     many, alone = diag.get("shallow, many running: claim10 x1"), diag.get("shallow: claim10 x1")
     if many and alone:
