@@ -18,12 +18,11 @@ What it measures (messages per second, median of 3 repeats, fresh data for every
 Diagnostic rows (clearly labelled, not product figures) follow: a bare round trip, the raw insert
 wrapped in the bus's transaction shape, the bus with its log triggers or NOTIFY switched off
 (scratch databases), claims against a shallow queue (also beside many messages held running,
-claimed after the last ANALYZE), the floor (the raw queue plus only what the issue requires of every
-message: a unique idempotency key and a transition log by statement trigger, in a database of its
-own: how much of the gap to raw those requirements explain), and per-statement plans and
-timings of the Bus calls from
-auto_explain (ANALYZE, BUFFERS, nested statements and triggers included, which a top-level
-EXPLAIN of the named queries cannot show once they call PL/pgSQL).
+claimed after the last ANALYZE), the floor (the raw queue plus only what the issue requires of
+every message: a unique idempotency key and a transition log by statement trigger, in a database
+of its own: how much of the gap to raw those requirements explain), and per-statement plans and
+timings of the Bus calls from auto_explain (ANALYZE, BUFFERS, nested statements and triggers
+included, which a top-level EXPLAIN of the named queries cannot show once they call PL/pgSQL).
 
 CPU is accounted per measurement (this process, the PostgreSQL processes, and the rest of the
 machine), because the box is shared: when other work ran meanwhile, the table says how much.
