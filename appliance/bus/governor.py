@@ -258,8 +258,10 @@ class Governor:
             note = "generation stopped at the energy its hold paid for (joules per token too low)"
         if energy_joules is not None:
             amount = self.config.pricing.tariff.cost(energy_joules, local)
-        elif failed and not usage_unknown:
-            amount = Decimal(0)  # it never ran (refused, cancelled before its start)
+        elif failed and not usage_unknown and not (prompt_tokens or completion_tokens):
+            # It never ran (refused, cancelled before its start). One stopped part way says
+            # what it read and wrote: it ran, so without a meter figure it is charged below.
+            amount = Decimal(0)
         else:
             # It ran (or may have) but no meter figure came back: charge the whole
             # reservation, never less.

@@ -344,3 +344,20 @@ async def test_a_runs_tokens_keep_what_a_call_may_have_used(
     )  # fmt: skip
     run = await governor.spend.run_budget("acme", "t", "r")  # type: ignore[attr-defined]
     assert run is not None and run["used"]["tokens"] == kept
+
+
+async def test_a_call_stopped_part_way_without_an_energy_figure_is_charged_its_reservation(
+    governor: Governor, db: Database
+) -> None:
+    # The meter failed (no figure) and the call was stopped after some tokens: it ran, so it
+    # is charged its reservation, as any call that ran without a figure, never nothing.
+    message = await claimed(db, "p")
+    admission = await admit(governor, message)
+    amount = await governor.settle(
+        message, admission, energy_joules=None, provenance=None, prompt_tokens=8,
+        completion_tokens=3, failed=True,
+    )  # fmt: skip
+    assert amount == admission.estimate.amount == Decimal("0.00002")
+    async with db.system_conn() as conn:
+        row = await (await conn.execute("SELECT status, amount FROM spend_ledger")).fetchone()
+    assert row is not None and (row["status"], row["amount"]) == ("settled", amount)
