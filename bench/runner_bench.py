@@ -19,8 +19,9 @@ What it measures (median of 3 repeats, fresh data for every repeat, fsync on):
    sleeping 20 ms) keeps every shared slot busy, as a ratio to the idle p99 of (2);
 4. reclaim: real `python -m appliance.cli runner` processes; one holds a `work` message that
    sleeps for an hour, a second idles beside it, the first is SIGKILLed; time from the kill to
-   the message's next claim (`claimed_at`, by the database clock) on the second, for leases of
-   2 s and 5 s (3 kills each).
+   the reclaim (its `lease_expired` transition), and from the retry's backoff ending to the
+   message's next claim (`claimed_at`, by the database clock) on the second, for leases of 2 s
+   and 5 s (3 kills each).
 
 Diagnostic runs (labelled, not product figures) time every store call of the runner during a
 one-tenant drain and every step of an idle dispatch, try the runner without claim-ahead and
@@ -59,7 +60,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,9 @@ class ReclaimRun:
     reclaim_s: float  # kill -> next claim
     lease_left_s: float  # kill -> the lease's expiry as last extended
     after_expiry_s: float  # lease expiry -> next claim
+    reclaimed_s: float  # kill -> the lease_expired transition (the message back in the queue)
+    backoff_s: float  # reclaim -> its retry due (the backoff of a failed attempt)
+    due_to_claim_s: float  # retry due -> next claim (promotion and claim)
 
 
 @dataclass
@@ -391,11 +395,10 @@ class TimedStore(PgRunnerStore):
         self._add("complete (batched acks)", t0, len(completions))
         return out
 
-    async def reclaim(
-        self, *, batch: int = 500, now: datetime | None = None, **kw: Any
-    ) -> list[int]:
+    async def reclaim_due(self, *, batch: int = 500, **kw: Any) -> list[tuple[int, float | None]]:
+        # What the runner's claim path calls (reclaim wraps it).
         t0 = time.perf_counter()
-        out = await super().reclaim(batch=batch, now=now, **kw)
+        out = await super().reclaim_due(batch=batch, **kw)
         self._add("reclaim (claim path)", t0, len(out))
         return out
 
@@ -953,9 +956,25 @@ async def reclaim_runs(side: BusSide, leases: Sequence[float], kills: int) -> li
                         (mid, worker_id(standby)),
                         "the re-run",
                     )
+                    (reclaimed, due) = await _poll_row(
+                        conn,
+                        "SELECT extract(epoch FROM t.at)::float8,"
+                        " extract(epoch FROM m.not_before)::float8"
+                        " FROM message_transitions t JOIN agent_messages m ON m.id = t.message_id"
+                        " WHERE t.message_id = %s AND t.reason = 'lease_expired'"
+                        " ORDER BY t.id DESC LIMIT 1",
+                        (mid,),
+                        "the reclaim",
+                    )
                     out.append(
                         ReclaimRun(
-                            lease, claimed - killed_at, expires - killed_at, claimed - expires
+                            lease,
+                            claimed - killed_at,
+                            expires - killed_at,
+                            claimed - expires,
+                            reclaimed - killed_at,
+                            due - reclaimed,
+                            claimed - due,
                         )
                     )
                     holder = standby
@@ -1317,7 +1336,9 @@ def _reclaim_table(r: Report) -> str:
         "kill -> re-run s (median)",
         "runs",
         "lease left at kill s",
-        "lease expiry -> re-run s",
+        "kill -> reclaimed s",
+        "backoff s",
+        "due -> re-run s",
         "median / lease",
     ]
     rows = []
@@ -1331,7 +1352,9 @@ def _reclaim_table(r: Report) -> str:
                 f"{med:.2f}",
                 ", ".join(f"{x.reclaim_s:.2f}" for x in runs),
                 ", ".join(f"{x.lease_left_s:.2f}" for x in runs),
-                ", ".join(f"{x.after_expiry_s:.2f}" for x in runs),
+                ", ".join(f"{x.reclaimed_s:.2f}" for x in runs),
+                ", ".join(f"{x.backoff_s:.2f}" for x in runs),
+                ", ".join(f"{x.due_to_claim_s:.2f}" for x in runs),
                 f"{med / lease:.2f}",
             ]
         )
@@ -1384,12 +1407,22 @@ def _targets(r: Report) -> list[tuple[str, str, bool]]:
     )
     for lease in sorted({x.lease for x in r.reclaims}):
         runs = [x for x in r.reclaims if x.lease == lease]
-        worst = max(x.reclaim_s for x in runs)
+        worst = max(x.reclaimed_s for x in runs)
         bound = lease + 1.0 + RECLAIM_SLACK_S
         out.append(
             (
-                f"(design bound, not from the issue) reclaim within lease + 1 s reclaim"
+                f"(design bound, not from the issue) reclaimed within lease + 1 s reclaim"
                 f" interval + {RECLAIM_SLACK_S} s, lease {lease:g} s",
+                f"worst {worst:.2f} s (bound {bound:g} s)",
+                worst <= bound,
+            )
+        )
+        worst = max(x.due_to_claim_s for x in runs)
+        bound = 1.0 + RECLAIM_SLACK_S
+        out.append(
+            (
+                f"(design bound, not from the issue) re-run within 1 s promotion interval +"
+                f" {RECLAIM_SLACK_S} s of its retry coming due, lease {lease:g} s",
                 f"worst {worst:.2f} s (bound {bound:g} s)",
                 worst <= bound,
             )
@@ -1610,8 +1643,12 @@ def render(r: Report) -> str:
         " APPLIANCE_BUS__LEASE_SECONDS set, other settings default: reclaim every 1 s, poll"
         " 30 s, LISTEN on). A `work` message sleeping 1 h is held by runner A; runner B is"
         " started and has registered with its listener connected; A gets SIGKILL; measured"
-        " until B's claim (`claimed_at`, database clock). Heartbeats run every lease/3, so the"
-        " lease left at the kill lies between 2/3 and 1 lease.",
+        " until the reclaim (its `lease_expired` transition) and B's claim (`claimed_at`),"
+        " database clock. Heartbeats run every lease/3, so the lease left at the kill lies"
+        " between 2/3 and 1 lease. A reclaimed message waits a failed attempt's backoff (retry"
+        " base 2 s, doubled per attempt, half-jittered; the same message is killed again, so"
+        " 1-2 s, 2-4 s, 4-8 s) before it is claimable: `due -> re-run` is its promotion and"
+        " claim.",
         "",
         _throughput_table(r),
         "",
