@@ -417,7 +417,19 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             shown["inference_calls"] = await svc.store.calls_of(args.tenant, args.id)
             print(json.dumps(shown, indent=2, default=str))
         elif args.bus_action == "reclaim":
-            print(f"reclaimed: {len(await svc.bus.reclaim())}")
+            bus = svc.bus
+            found = await bus.store.reclaim_due(
+                batch=bus.config.maintenance_batch, now=None, backoff=bus.config.retry
+            )
+            waits = [due for _, due in found if due is not None]
+            line = f"reclaimed: {len(found)}"
+            if found:
+                # Back after a failed attempt's backoff: promoted by a runner's maintenance.
+                line += f" ({len(waits)} pending" + (
+                    f", claimable within {max(waits):.1f} s" if waits else ""
+                )
+                line += f"; {len(found) - len(waits)} dead)"
+            print(line)
         elif args.bus_action == "expire":
             print(f"expired: {await svc.bus.expire()}")
     return 0

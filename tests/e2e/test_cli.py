@@ -219,6 +219,32 @@ def test_redrive_names_dead_work_past_its_deadline(
     assert cleared.stdout.strip() == f"redriven: 1 ({mid})"
 
 
+def test_reclaim_says_when_the_work_is_back(env: dict[str, str], fresh_db: Endpoints) -> None:
+    run(env, "tenant", "add", "acme")
+    assert run(env, "bus", "reclaim").stdout.strip() == "reclaimed: 0"
+    ids = []
+    for sid in ("a", "b"):
+        out = run(
+            env, "submit", "--tenant", "acme", "--pipeline", "p", "--stage", "s", "--source",
+            "c", "--source-id", sid, "--directive", "d",
+        ).stdout  # fmt: skip
+        ids.append(out.split()[0])
+    with psycopg.connect(fresh_db.admin, autocommit=True) as conn:
+        conn.execute("SET search_path = appliance, pg_catalog")
+        # Both held by a worker that died: one with attempts left, one on its last.
+        for mid, attempts in zip(ids, (1, 5), strict=True):
+            conn.execute(
+                "UPDATE agent_messages SET status = 'running', attempts = %s, lease_token = 1,"
+                " lease_expires_at = now() - interval '1 second' WHERE id = %s",
+                (attempts, mid),
+            )
+    out = run(env, "bus", "reclaim").stdout.strip()
+    # After one attempt, the default backoff: 1-2 s.
+    assert out.startswith("reclaimed: 2 (1 pending, claimable within "), out
+    assert out.endswith(" s; 1 dead)"), out
+    assert 0.9 < float(out.split("within ")[1].split(" s")[0]) <= 2.0, out
+
+
 def test_a_list_setting_that_is_not_json_is_one_line_not_a_trace(env: dict[str, str]) -> None:
     proc = run({**env, "APPLIANCE_RUNNER__PIPELINES": "demo,support"}, "status", check=False)
     assert proc.returncode == 2

@@ -310,9 +310,10 @@ def test_sigkill_storm_every_stalled_lease_is_reclaimed(
 ) -> None:
     admin = fresh_db.admin
     n = 10_000
-    # A message reclaimed after a kill goes back to the front of the queue, where the next
-    # busiest runner (the next victim) is likely to take it: a few are killed five times in a
-    # long storm. Running out of attempts is not what this test is about, so allow plenty.
+    # A message reclaimed after a kill goes back to the queue after a short backoff (retry base
+    # 0.2 s here), where the next busiest runner (the next victim) is likely to take it: a few
+    # are killed five times in a long storm. Running out of attempts is not what this test is
+    # about, so allow plenty.
     enqueue(fresh_db, "work", n, prefix="s", context={"sleep": 0.04}, max_attempts=50)
     env = {"APPLIANCE_RUNNER__TENANT_LIMIT": "64"}  # one tenant may use all four runners
     alive = [procs.start(None, **env) for _ in range(4)]
