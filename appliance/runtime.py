@@ -114,7 +114,10 @@ class Services:
 async def services(settings: Settings, ends: Endpoints | None = None) -> AsyncIterator[Services]:
     """Open the pools, wire the stores and the bus; close everything on the way out."""
     db = Database(
-        ends or endpoints(settings), min_size=settings.db.pool_min, max_size=settings.db.pool_max
+        ends or endpoints(settings),
+        min_size=settings.db.pool_min,
+        max_size=settings.db.pool_max,
+        statement_timeout=settings.db.statement_timeout,
     )
     await db.open()
     try:
@@ -392,7 +395,12 @@ async def _serve(
     stop: asyncio.Event,
 ) -> None:
     ends = endpoints(settings)
-    db = Database(ends, min_size=2, max_size=max(4, min(config.concurrency + 4, 32)))
+    db = Database(
+        ends,
+        min_size=2,
+        max_size=max(4, min(config.concurrency + 4, 32)),
+        statement_timeout=settings.db.statement_timeout,
+    )
     await db.open()
     try:
         store = PgRunnerStore(db)
@@ -517,7 +525,9 @@ async def calibrate(
             )
     finally:
         await pool.close()
-    db = Database(endpoints(settings), min_size=1, max_size=2)
+    db = Database(
+        endpoints(settings), min_size=1, max_size=2, statement_timeout=settings.db.statement_timeout
+    )
     await db.open()
     try:
         store = PgCalibrationStore(db)

@@ -61,6 +61,13 @@ class DatabaseSettings(_Section):
     name: str = Field(default="appliance", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     pool_min: int = Field(default=1, ge=0)
     pool_max: int = Field(default=8, ge=1)
+    # The runtime roles' longest statement (claims, acknowledgements, maintenance batches, the
+    # CLI's queries): longer, the server cancels it (see appliance/db/database.py).
+    statement_timeout_seconds: float = Field(default=300.0, ge=1.0, le=86400.0)
+
+    @property
+    def statement_timeout(self) -> timedelta:
+        return timedelta(seconds=self.statement_timeout_seconds)
 
     @model_validator(mode="after")
     def _pool_fits(self) -> DatabaseSettings:

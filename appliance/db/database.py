@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -27,6 +28,22 @@ SEARCH_PATH_OPTION = "-c search_path=appliance,pg_catalog"
 # plan (the hot ones read their lane's pending index whatever the parameters), and
 # tests/db/test_runner_store.py checks the claim's plan on a large table with this setting.
 RUNTIME_OPTIONS = f"{SEARCH_PATH_OPTION} -c plan_cache_mode=force_generic_plan"
+# A runtime statement that runs longer than this is cancelled by the server: behind a lock a
+# forgotten session holds (an operator's open psql transaction), a claim or an acknowledgement
+# waited for ever and its runner with it. Every runtime statement is a bounded batch, far
+# below it; the setting db.statement_timeout_seconds changes it.
+DEFAULT_STATEMENT_TIMEOUT = timedelta(minutes=5)
+# TCP keepalives (ignored on the Unix socket): a server that vanished from the network (a
+# partition, a host gone without closing) is noticed in about a minute; without them a
+# statement waited for an answer for as long as the kernel keeps the connection (hours).
+# tcp_user_timeout bounds data sent and never acknowledged the same way.
+KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,
+}
 
 Conn = psycopg.AsyncConnection[DictRow]
 
@@ -104,16 +121,27 @@ async def _configure(conn: Conn) -> None:
 class Database:
     """The two runtime pools. Opening connects; closing waits for borrowed connections."""
 
-    def __init__(self, endpoints: Endpoints, *, min_size: int = 1, max_size: int = 8) -> None:
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        *,
+        min_size: int = 1,
+        max_size: int = 8,
+        statement_timeout: timedelta = DEFAULT_STATEMENT_TIMEOUT,
+    ) -> None:
+        if statement_timeout < timedelta(milliseconds=1):
+            raise ValueError("statement_timeout must be at least 1 ms")
         self.endpoints = endpoints
         # Prepared at first use: with the driver's default (prepare after 5 uses on a
         # connection) every connection of the pool planned the claim, the enqueue and the
         # acknowledgement 5 times before reusing a plan. The pools hand out the connection
         # returned last (LifoConnectionPool): a sequential caller keeps one warm server process.
+        timeout_ms = int(statement_timeout / timedelta(milliseconds=1))
         kwargs: dict[str, Any] = {
-            "options": RUNTIME_OPTIONS,
+            "options": f"{RUNTIME_OPTIONS} -c statement_timeout={timeout_ms}",
             "row_factory": dict_row,
             "prepare_threshold": 0,
+            **KEEPALIVES,
         }
         self.app_pool: AsyncConnectionPool[Conn] = LifoConnectionPool(
             endpoints.app,

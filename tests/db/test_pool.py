@@ -1,11 +1,20 @@
-"""The runtime pools hand out the connection returned last (appliance/db/pool.py)."""
+"""The runtime pools: the connection returned last is handed out first (appliance/db/pool.py);
+a statement is cancelled past the statement timeout; TCP connections keep alive."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import timedelta
 
+import psycopg
+import pytest
+
+from appliance.bus.core import Bus
 from appliance.db.database import Database, Endpoints
+from appliance.db.message_store import PgMessageStore
 from appliance.db.pool import LifoConnectionPool
+from appliance.db.tenant_store import PgTenantStore
 
 
 async def _pid(db: Database) -> int:
@@ -52,3 +61,56 @@ async def _pid_held(db: Database) -> int:
         await asyncio.sleep(0.2)  # held while the others take theirs
     assert row is not None
     return int(row["pid"])
+
+
+async def test_a_claim_behind_a_forgotten_lock_is_cancelled_not_waited_on_for_ever(
+    fresh_db: Endpoints,
+) -> None:
+    # An operator's psql session left a transaction open holding the tenant's claim counter:
+    # the claim waited for it with no end, and its runner with it. Past the statement timeout
+    # the server cancels it, and the runner's loop sees an error it logs and retries.
+    db = Database(fresh_db, statement_timeout=timedelta(seconds=0.5))
+    await db.open()
+    try:
+        await PgTenantStore(db).add("acme")
+        bus = Bus(PgMessageStore(db))
+        await bus.enqueue(tenant="acme", pipeline="p", stage="s", source="t", source_id="1",
+                          directive="d")  # fmt: skip
+        async with await psycopg.AsyncConnection.connect(fresh_db.admin) as forgotten:
+            await forgotten.execute(
+                "SELECT 1 FROM appliance.tenant_runtime WHERE tenant = 'acme' FOR UPDATE"
+            )
+            began = time.monotonic()
+            with pytest.raises(psycopg.errors.QueryCanceled, match="statement timeout"):
+                await bus.claim("w", limit=1)
+            assert time.monotonic() - began < 5
+            await forgotten.rollback()
+        (claimed,) = await bus.claim("w", limit=1)  # the lock gone, the claim goes through
+        assert claimed.source_id == "1"
+        for pool in (db.app_pool, db.system_pool):
+            async with pool.connection() as conn:
+                row = await (await conn.execute("SHOW statement_timeout")).fetchone()
+                assert row is not None and row["statement_timeout"] == "500ms"
+    finally:
+        await db.close()
+
+
+async def test_runtime_connections_ask_for_tcp_keepalives(fresh_db: Endpoints) -> None:
+    # Ignored on the Unix socket the tests use; over TCP they notice a vanished server.
+    db = Database(fresh_db)
+    await db.open()
+    try:
+        async with db.system_conn() as conn:
+            params = conn.info.get_parameters()
+            row = await (await conn.execute("SHOW statement_timeout")).fetchone()
+        assert row is not None and row["statement_timeout"] == "5min"
+    finally:
+        await db.close()
+    assert params.get("keepalives") == "1"
+    assert params.get("keepalives_idle") == "30"
+    assert params.get("tcp_user_timeout") == "60000"
+
+
+def test_a_statement_timeout_below_a_millisecond_is_refused(fresh_db: Endpoints) -> None:
+    with pytest.raises(ValueError, match="statement_timeout"):
+        Database(fresh_db, statement_timeout=timedelta(0))

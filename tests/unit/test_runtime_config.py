@@ -135,3 +135,13 @@ def test_settings_that_break_their_own_rules_are_named(monkeypatch: pytest.Monke
         with pytest.raises(ValidationError, match=name.lower()):
             Settings()
         monkeypatch.delenv(f"APPLIANCE_RUNNER__{name}")
+
+
+def test_the_runtime_statement_timeout_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().db.statement_timeout == timedelta(minutes=5)
+    monkeypatch.setenv("APPLIANCE_DB__STATEMENT_TIMEOUT_SECONDS", "42.5")
+    assert Settings().db.statement_timeout == timedelta(seconds=42.5)
+    for bad in ("0", "-1", "inf", "1e9"):
+        monkeypatch.setenv("APPLIANCE_DB__STATEMENT_TIMEOUT_SECONDS", bad)
+        with pytest.raises(ValidationError, match="statement_timeout_seconds"):
+            Settings()
