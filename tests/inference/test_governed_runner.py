@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,22 +16,17 @@ from typing import Any
 import pytest
 
 from appliance.bus.core import Bus
-from appliance.bus.governor import Governor, GovernorConfig, prompt_token_bound
-from appliance.bus.runner import Runner, RunnerConfig
+from appliance.bus.governor import Governor, prompt_token_bound
 from appliance.db.database import Database, Endpoints
-from appliance.db.listener import PgDoorbell
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.spend_store import PgSpendStore
-from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.budget import RunBudget
 from appliance.domain.cost import Pricing, Tariff
 from appliance.domain.inference import ENERGY_LIMIT, InferenceRequest, Tier
-from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
+from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
 from appliance.inference.pool import InferencePool
-from appliance.metering.meter import Meter
-from appliance.metering.sources import EstimateSource, ThreadCpu, process_cpu_seconds
 from tests.inference.models import spec
-from tests.inference.rigs import DbChecks
+from tests.inference.rigs import DbChecks, estimate_meter, governed_runner, tenant_db
 
 
 async def label(ctx: StageContext) -> StageResult:
@@ -120,44 +114,17 @@ async def rig(fresh_db: Endpoints, request: pytest.FixtureRequest) -> AsyncItera
     # asks (its message is deferred at once), as it was before that wait existed.
     options: dict[str, Any] = getattr(request, "param", {})
     busy_wait = options.get("busy_wait", timedelta(0))
-    db = Database(fresh_db, max_size=8)
-    await db.open()
-    await PgTenantStore(db).add("acme")
-    store = PgRunnerStore(db)
-    await store.sync_pipelines(PIPES)
-    spend = PgSpendStore(db)
-    # The estimate source on this machine (no counters here): real thread CPU time, labelled.
-    meter = Meter(
-        EstimateSource(10.0, 15.0, process_cpu_seconds, time.monotonic()),
-        ThreadCpu(),
-        {"cpu": 10.0},
-    )
+    db = await tenant_db(fresh_db, PIPES)
+    store, spend = PgRunnerStore(db), PgSpendStore(db)
     pool = InferencePool(
-        [spec(Tier.MECHANICAL, queue=options.get("queue", 4))], cores=2, meter=meter
+        [spec(Tier.MECHANICAL, queue=options.get("queue", 4))], cores=2, meter=estimate_meter()
     )
     await pool.start()
-    # 1,000 J per token at 1 EUR/kWh: one call's worst case is a visible fraction of a cent.
-    pricing = Pricing(
-        tariff=Tariff(price_per_kwh=Decimal("1.0")),
-        default_joules_per_token=Decimal("1000"),
-        safety_factor=Decimal("1.0"),
-    )
-    governor = Governor(spend, GovernorConfig(pricing, busy_wait=busy_wait), actor="gov")
-    config = RunnerConfig(
-        worker_id="gov", concurrency=4, lease=timedelta(seconds=10),
-        poll_interval=timedelta(seconds=5), report_every=timedelta(seconds=0.5),
-    )  # fmt: skip
-    runner = Runner(
-        store, Registry(PIPES), config, doorbell=PgDoorbell(fresh_db.system), inference=pool,
-        governor=governor,
-    )  # fmt: skip
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
     try:
-        yield Rig(Bus(store), spend, db, pool, governor, stop, task)
+        runner = governed_runner(fresh_db, store, PIPES, pool, spend, busy_wait=busy_wait)
+        async with runner as (governor, stop, task):
+            yield Rig(Bus(store), spend, db, pool, governor, stop, task)
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
         await pool.close()
         await db.close()
 

@@ -9,8 +9,6 @@ tokens; both now carry what the model read and wrote before the stop.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -19,22 +17,15 @@ from decimal import Decimal
 import pytest
 
 from appliance.bus.core import Bus
-from appliance.bus.governor import Governor, GovernorConfig
-from appliance.bus.runner import Runner, RunnerConfig
 from appliance.db.database import Database, Endpoints
-from appliance.db.listener import PgDoorbell
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.spend_store import PgSpendStore
-from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.budget import RunBudget
-from appliance.domain.cost import Pricing, Tariff
 from appliance.domain.inference import Tier
-from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
+from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
 from appliance.inference.pool import InferencePool
-from appliance.metering.meter import Meter
-from appliance.metering.sources import EstimateSource, ThreadCpu, process_cpu_seconds
 from tests.inference.models import spec
-from tests.inference.rigs import DbChecks
+from tests.inference.rigs import DbChecks, estimate_meter, governed_runner, tenant_db
 
 # A prompt the model keeps writing after: 800 tokens take it about 10 s on one thread here.
 RAMBLE = "Here is a very long story about a dragon, told in great detail. Once upon a time,"
@@ -65,42 +56,17 @@ class Rig(DbChecks):
 
 @pytest.fixture
 async def rig(fresh_db: Endpoints) -> AsyncIterator[Rig]:
-    db = Database(fresh_db, max_size=8)
-    await db.open()
-    await PgTenantStore(db).add("acme")
-    store = PgRunnerStore(db)
-    await store.sync_pipelines(PIPES)
-    spend = PgSpendStore(db)
+    db = await tenant_db(fresh_db, PIPES)
+    store, spend = PgRunnerStore(db), PgSpendStore(db)
     await spend.set_cap("appliance", Decimal("10"))
-    meter = Meter(
-        EstimateSource(10.0, 15.0, process_cpu_seconds, time.monotonic()),
-        ThreadCpu(),
-        {"cpu": 10.0},
-    )
-    pool = InferencePool([spec(Tier.MECHANICAL, n_ctx=1024)], cores=2, meter=meter)
+    pool = InferencePool([spec(Tier.MECHANICAL, n_ctx=1024)], cores=2, meter=estimate_meter())
     await pool.start()
-    pricing = Pricing(
-        tariff=Tariff(price_per_kwh=Decimal("1.0")),
-        default_joules_per_token=Decimal("1000"),
-        safety_factor=Decimal("1.0"),
-    )
-    governor = Governor(spend, GovernorConfig(pricing), actor="gov")
-    config = RunnerConfig(
-        worker_id="stopped", concurrency=4, lease=timedelta(seconds=10),
-        poll_interval=timedelta(seconds=5), report_every=timedelta(seconds=0.5),
-        persist_margin=MARGIN,
-    )  # fmt: skip
-    runner = Runner(
-        store, Registry(PIPES), config, doorbell=PgDoorbell(fresh_db.system), inference=pool,
-        governor=governor,
-    )  # fmt: skip
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
     try:
-        yield Rig(Bus(store), db)
+        async with governed_runner(
+            fresh_db, store, PIPES, pool, spend, worker_id="stopped", persist_margin=MARGIN
+        ):
+            yield Rig(Bus(store), db)
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
         await pool.close()
         await db.close()
 
