@@ -112,6 +112,12 @@ def error_text(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _keepalives(conninfo: str) -> dict[str, Any]:
+    """KEEPALIVES, less those the connection string sets itself (the operator's win)."""
+    given = conninfo_to_dict(conninfo)
+    return {k: v for k, v in KEEPALIVES.items() if k not in given}
+
+
 async def _configure(conn: Conn) -> None:
     # Autocommit: single statements cost one round trip; multi-statement work opens an explicit
     # transaction block.
@@ -141,13 +147,12 @@ class Database:
             "options": f"{RUNTIME_OPTIONS} -c statement_timeout={timeout_ms}",
             "row_factory": dict_row,
             "prepare_threshold": 0,
-            **KEEPALIVES,
         }
         self.app_pool: AsyncConnectionPool[Conn] = LifoConnectionPool(
             endpoints.app,
             min_size=min_size,
             max_size=max_size,
-            kwargs=kwargs,
+            kwargs={**_keepalives(endpoints.app), **kwargs},
             configure=_configure,
             open=False,
             name="appliance-app",
@@ -156,7 +161,7 @@ class Database:
             endpoints.system,
             min_size=min_size,
             max_size=max_size,
-            kwargs=kwargs,
+            kwargs={**_keepalives(endpoints.system), **kwargs},
             configure=_configure,
             open=False,
             name="appliance-system",

@@ -276,8 +276,9 @@ WHERE pipeline = %(pipeline)s AND NOT (stage = ANY(%(stages)s))
 RETURNING stage, tier IS NOT NULL AS retier;
 
 -- name: stage_tiers_fence :exec
--- Wait for every enqueue in flight (each holds this lock shared while it reads stage tiers) and hold new ones off until this transaction ends: taken by a pipeline sync that changed a stage's tier, before it re-stamps the stage's messages.
-SELECT pg_advisory_xact_lock(hashtext('appliance'), hashtext('stage_tiers'));
+-- Wait for every enqueue in flight (each holds this lock shared while it reads stage tiers) and hold new ones off until this transaction ends: taken by a pipeline sync that changed a stage's tier, before it re-stamps the stage's messages. The re-stamp is one statement over every unfinished message of the stages, so this transaction has no statement timeout: cancelled, the runner's start would fail and repeat it, holding every enqueue off each time.
+SELECT pg_advisory_xact_lock(hashtext('appliance'), hashtext('stage_tiers')),
+       set_config('statement_timeout', '0', true);
 
 -- name: pipeline_messages_retier :one
 -- Stamp the not yet finished messages of these stages of a pipeline (dead ones included: a redrive revives them) with their stage's model tier now (NULL: no model work, or a stage no longer declared), which the claim scans by (migration 0017). Rows another statement holds (an acknowledgement in flight) are skipped, never waited for; `stale`: the rows found with another tier, `stamped`: those re-stamped. Rare: a stage's tier changed, or a stage with one was declared or dropped.
