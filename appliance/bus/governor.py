@@ -278,7 +278,11 @@ class Governor:
                 amount=amount,
                 energy_joules=energy_joules,
                 provenance=provenance,
-                released=failed and amount == 0 and not usage_unknown,
+                # A call that read or wrote tokens ran, even when it measured 0 J: settled.
+                released=failed
+                and amount == 0
+                and not usage_unknown
+                and not (prompt_tokens or completion_tokens),
                 note=note,
                 now=None,
             )

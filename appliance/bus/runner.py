@@ -953,7 +953,10 @@ class Runner:
                 used_tokens = (exc.prompt_tokens or 0, exc.completion_tokens or 0)
             # Our task was cancelled (lease lost, overrun, shutdown) while the call was out:
             # what it used is not known here, so it is charged its whole reservation.
-            usage_unknown = isinstance(exc, asyncio.CancelledError)
+            # Or the meter failed around it: what it used is not known either way.
+            usage_unknown = isinstance(exc, asyncio.CancelledError) or (
+                isinstance(exc, InferenceError) and exc.unmetered
+            )
             raise
         finally:
             if admission is not None and self.governor is not None:

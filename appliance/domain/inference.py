@@ -166,12 +166,14 @@ class CallRecord:
 
 class InferenceError(ApplianceError):
     """A call failed; the pool goes on serving. `energy_joules`: what it used before failing;
-    the token counts, when it was stopped part way (a timeout, a cancel)."""
+    the token counts, when it was stopped part way (a timeout, a cancel). `unmetered`: the
+    meter failed around it, so what it used is not known (it is charged its reservation)."""
 
     energy_joules: float | None = None
     energy_provenance: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    unmetered: bool = False
 
 
 class CapabilityUnavailable(InferenceError):

@@ -115,6 +115,15 @@ def gpu_offload_supported() -> bool:
 PROMPT_CHUNK = 128
 
 
+def _unmetered(outcome: InferenceResult | InferenceError) -> InferenceResult | InferenceError:
+    """A failed call the meter did not follow: whether and how much it ran is not known (one
+    stopped after the meter failed may carry no token counts), so it is charged its
+    reservation, never nothing. A result without an energy figure is charged so already."""
+    if isinstance(outcome, InferenceError):
+        outcome.unmetered = True
+    return outcome
+
+
 class _Stop(Exception):
     def __init__(self, why: str, tokens: int, text: str = "") -> None:
         super().__init__(why)
@@ -322,7 +331,7 @@ class _Worker(threading.Thread):
             meter.begin(call_id, threading.get_native_id(), self.n_threads)
         except Exception:
             log.exception("%s: the meter failed; this call is charged its reservation", self.name)
-            return self._serve_one(job)
+            return _unmetered(self._serve_one(job))
         outcome: InferenceResult | InferenceError | None = None
         job.energy_used = functools.partial(meter.used, call_id)
         try:
@@ -334,6 +343,8 @@ class _Worker(threading.Thread):
                 energy = meter.end(call_id)
             except Exception:
                 log.exception("%s: the meter failed at the end of a call", self.name)
+                if outcome is not None:
+                    outcome = _unmetered(outcome)
             else:
                 if isinstance(outcome, InferenceResult):
                     outcome = dataclasses.replace(

@@ -361,3 +361,20 @@ async def test_a_call_stopped_part_way_without_an_energy_figure_is_charged_its_r
     async with db.system_conn() as conn:
         row = await (await conn.execute("SELECT status, amount FROM spend_ledger")).fetchone()
     assert row is not None and (row["status"], row["amount"]) == ("settled", amount)
+
+
+async def test_a_call_that_read_tokens_is_settled_even_at_zero_joules(
+    governor: Governor, db: Database
+) -> None:
+    # Stopped part way with a measured 0 J: it ran (it read and wrote tokens), so its hold is
+    # settled like any call that ran, not released as one that never started.
+    message = await claimed(db, "z")
+    admission = await admit(governor, message)
+    amount = await governor.settle(
+        message, admission, energy_joules=0.0, provenance="measured", prompt_tokens=8,
+        completion_tokens=1, failed=True,
+    )  # fmt: skip
+    assert amount == 0
+    async with db.system_conn() as conn:
+        row = await (await conn.execute("SELECT status, amount FROM spend_ledger")).fetchone()
+    assert row is not None and (row["status"], row["amount"]) == ("settled", 0)

@@ -32,9 +32,9 @@ PRICING = Pricing(
 )
 
 
-def estimate_meter() -> Meter:
+def estimate_meter(kind: type[Meter] = Meter) -> Meter:
     """The estimate source on this machine (no counters here): real thread CPU time, labelled."""
-    return Meter(
+    return kind(
         EstimateSource(10.0, 15.0, process_cpu_seconds, time.monotonic()),
         ThreadCpu(),
         {"cpu": 10.0},

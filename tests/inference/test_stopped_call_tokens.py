@@ -24,6 +24,7 @@ from appliance.domain.budget import RunBudget
 from appliance.domain.inference import Tier
 from appliance.domain.pipeline import Pipeline, Stage, StageContext, StageResult
 from appliance.inference.pool import InferencePool
+from appliance.metering.meter import CallEnergy, Meter
 from tests.inference.models import spec
 from tests.inference.rigs import DbChecks, estimate_meter, governed_runner, tenant_db
 
@@ -54,12 +55,21 @@ class Rig(DbChecks):
     db: Database
 
 
+class FailsAtEnd(Meter):
+    """The estimate meter whose figure for a finished call cannot be read."""
+
+    def end(self, call_id: str) -> CallEnergy:
+        super().end(call_id)
+        raise RuntimeError("the energy counter could not be read")
+
+
 @pytest.fixture
-async def rig(fresh_db: Endpoints) -> AsyncIterator[Rig]:
+async def rig(fresh_db: Endpoints, request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     db = await tenant_db(fresh_db, PIPES)
     store, spend = PgRunnerStore(db), PgSpendStore(db)
     await spend.set_cap("appliance", Decimal("10"))
-    pool = InferencePool([spec(Tier.MECHANICAL, n_ctx=1024)], cores=2, meter=estimate_meter())
+    meter = estimate_meter(FailsAtEnd if getattr(request, "param", "") == "meter fails" else Meter)
+    pool = InferencePool([spec(Tier.MECHANICAL, n_ctx=1024)], cores=2, meter=meter)
     await pool.start()
     try:
         async with governed_runner(
@@ -101,3 +111,30 @@ async def test_a_call_stopped_by_its_timeout_charges_the_run_the_tokens_it_used(
     # The run keeps what the call used: its reservation settled to the tokens, not to 0.
     assert run["used"]["tokens"] == used, run
     assert run["used"]["calls"] == 1, run
+
+
+@pytest.mark.parametrize("rig", ["meter fails"], indirect=True)
+async def test_a_stopped_call_the_meter_lost_is_charged_its_reservation(rig: Rig) -> None:
+    # No energy figure, and a call that failed: it was charged nothing and its hold released,
+    # as if it had never run. What it used is not known: its reservation, money and tokens.
+    mid = (
+        await rig.bus.enqueue(
+            tenant="acme", pipeline="ramble", stage="run", source="t", source_id="r2",
+            directive="tell it", deadline=datetime.now(UTC) + MARGIN + CALL_TIME,
+        )
+    ).id  # fmt: skip
+
+    async def settled() -> bool:
+        return bool(await rig.rows("SELECT 1 FROM spend_ledger WHERE status <> 'reserved'"))
+
+    await rig.wait(settled, timeout=30, what="the stopped call's hold to settle")
+    (hold,) = await rig.rows("SELECT status, amount, reserved, provenance FROM spend_ledger")
+    assert hold["status"] == "settled" and hold["amount"] == hold["reserved"] > 0, hold
+    assert hold["provenance"] == "estimated", hold
+    (call,) = await rig.rows(
+        "SELECT status, completion_tokens FROM inference_calls WHERE message_id = %(i)s",
+        {"i": mid},
+    )
+    assert call["status"] == "refused" and 0 < call["completion_tokens"] < 800, call
+    (run,) = await rig.rows("SELECT used FROM run_budgets WHERE source = 't' AND source_id = 'r2'")
+    assert run["used"]["tokens"] > 800, run  # the whole token reservation, prompt included
