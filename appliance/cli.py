@@ -426,7 +426,7 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             if found:
                 # Back after a failed attempt's backoff: promoted by a runner's maintenance.
                 line += f" ({len(waits)} pending" + (
-                    f", claimable within {max(waits):.1f} s" if waits else ""
+                    f", due within {max(waits):.1f} s, when a runner promotes them" if waits else ""
                 )
                 line += f"; {len(found) - len(waits)} dead)"
             print(line)
