@@ -86,7 +86,9 @@ class BusSettings(_Section):
     # Bounded so that a delay is always a valid interval (a week is already far past useful).
     retry_base_seconds: float = Field(default=2.0, gt=0, le=604800.0)
     retry_cap_seconds: float = Field(default=600.0, gt=0, le=604800.0)
-    context_max_bytes: int = Field(default=DEFAULT_CONTEXT_MAX_BYTES, ge=1024)
+    # At most 64 MiB: a statement's JSON must stay under PostgreSQL's 256 MiB jsonb limit with
+    # any one request in it (see ENQUEUE_STATEMENT_BYTES in appliance/db/message_store.py).
+    context_max_bytes: int = Field(default=DEFAULT_CONTEXT_MAX_BYTES, ge=1024, le=64 * 2**20)
     idempotency_retention_days: float = Field(default=90.0, gt=0, le=36500.0)
     # Pending work older than this is expired instead of run (None: no limit for the lane).
     # A lane given alone (APPLIANCE_BUS__MAX_QUEUE_AGE_SECONDS__BATCH=7200) keeps the others'.

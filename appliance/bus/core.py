@@ -23,6 +23,7 @@ from appliance.domain.envelope import (
     lease_duration_ok,
     parse_lane,
 )
+from appliance.domain.errors import InvalidInput
 from appliance.domain.ports import (
     AckOutcome,
     BusStatus,
@@ -76,7 +77,11 @@ class Bus:
         A deadline is checked against `now`, else against this machine's clock: a deadline
         already past is refused here, not accepted and then expired unseen.
         """
-        fields.setdefault("context_max_bytes", self.config.context_max_bytes)
+        # Never above the configured limit: a caller may ask for a smaller one, not a larger.
+        fields["context_max_bytes"] = min(
+            fields.get("context_max_bytes", self.config.context_max_bytes),
+            self.config.context_max_bytes,
+        )
         if fields.get("now") is None:
             fields["now"] = datetime.now(UTC)
         return EnqueueRequest.build(**fields)
@@ -104,6 +109,15 @@ class Bus:
         self, requests: Sequence[EnqueueRequest], *, now: datetime | None = None
     ) -> list[EnqueueResult]:
         """Enqueue a validated batch atomically (all rows or none)."""
+        limit = self.config.context_max_bytes
+        for i, request in enumerate(requests):
+            # Built elsewhere (another bus's request(), or by hand) with a larger limit. UTF-8
+            # takes at most 4 bytes a character: most contexts need no encoding to tell.
+            text = request.context_json
+            if len(text) * 4 > limit and (size := len(text.encode())) > limit:
+                raise InvalidInput(
+                    "context", f"of request {i} is {size} bytes, over the limit of {limit} bytes"
+                )
         return await self._send(requests, now)
 
     async def claim(

@@ -808,6 +808,18 @@ class Runner:
                     f"{exc.problem}",
                 )
                 return
+            size = len(result_json.encode())
+            if size > self.config.context_max_bytes:
+                # A result becomes the next stage's context: held to the context's limit, here
+                # and visibly, rather than handed off past it or refused by the database with
+                # the rest of its acknowledgement batch.
+                await self._fail(
+                    attempt,
+                    f"handler {message.pipeline}.{message.stage} returned a result of {size} "
+                    f"bytes, over the limit of {self.config.context_max_bytes} bytes (a "
+                    "result becomes the next stage's context)",
+                )
+                return
             if attempt.context.spawned:
                 await self._enqueue_spawned(attempt)
             attempt.acked = True

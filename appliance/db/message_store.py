@@ -42,8 +42,11 @@ from appliance.domain.retry import RetryPolicy
 SYSTEM_ACTOR = "bus"
 # A claim through the API applies no tenant concurrency limit unless asked (the runner does).
 UNLIMITED = 1_000_000
-# Requests per statement of a large enqueue (see PgMessageStore.enqueue).
+# Requests per statement of a large enqueue (see PgMessageStore.enqueue), and the most bytes of
+# contexts and directives one statement carries: its JSON must stay under PostgreSQL's 256 MiB
+# limit of a jsonb value, which 280 contexts of 1 MB passed (and failed every request with it).
 ENQUEUE_CHUNK = 1000
+ENQUEUE_STATEMENT_BYTES = 64 * 2**20
 # A stage not declared in any pipeline still gets a hard runtime limit.
 DEFAULT_MAX_RUNTIME = timedelta(minutes=10)
 
@@ -85,6 +88,32 @@ def _raced(applied: bool, status: str | None, same_lease: bool | None) -> bool:
     running: it waited behind another statement (a cancel, a reclaim) that changed the row, and
     only a fresh read can say what that was."""
     return not applied and bool(same_lease) and status == MessageStatus.RUNNING
+
+
+def _chunks(requests: Sequence[EnqueueRequest]) -> list[Sequence[EnqueueRequest]]:
+    """The requests in statements of at most ENQUEUE_CHUNK requests and, beyond a first
+    request, ENQUEUE_STATEMENT_BYTES of contexts and directives (UTF-8 at most 4 bytes a
+    character; the rest of a request is a few hundred bytes)."""
+    out: list[Sequence[EnqueueRequest]] = []
+    start, size = 0, 0
+    for i, req in enumerate(requests):
+        cost = len(req.context_json) * 4 + len(req.directive) * 4 + 1024
+        if i > start and (i - start >= ENQUEUE_CHUNK or size + cost > ENQUEUE_STATEMENT_BYTES):
+            out.append(requests[start:i])
+            start, size = i, 0
+        size += cost
+    if start < len(requests):
+        out.append(requests[start:])
+    return out
+
+
+# Input PostgreSQL refused as such: not worth sending again as it is (unlike a lost
+# connection). ProgramLimitExceeded: a value over one of its size limits.
+REFUSED_INPUT = (
+    psycopg.errors.CheckViolation,
+    psycopg.errors.DataError,
+    psycopg.errors.ProgramLimitExceeded,
+)
 
 
 def _refused(field_name: str, exc: psycopg.Error) -> InvalidInput:
@@ -231,10 +260,8 @@ class PgMessageStore:
                 first[k] = len(unique)
                 unique.append(req)
         statements = [
-            _enqueue_params(
-                unique[start : start + ENQUEUE_CHUNK], retention, now, default_max_attempts
-            )
-            for start in range(0, len(unique), ENQUEUE_CHUNK)
+            _enqueue_params(chunk, retention, now, default_max_attempts)
+            for chunk in _chunks(unique)
         ]
         query = q("message_enqueue")
         tenants = {r.tenant for r in unique}
@@ -261,7 +288,7 @@ class PgMessageStore:
         except psycopg.errors.ForeignKeyViolation as exc:
             # enqueue_requests names the unknown tenant in the error's detail.
             raise UnknownTenant(exc.diag.message_detail or ", ".join(sorted(tenants))) from None
-        except (psycopg.errors.CheckViolation, psycopg.errors.DataError) as exc:
+        except REFUSED_INPUT as exc:
             # Validation should have caught it; as input the database refused, it stays the
             # caller's error (and a group of callers' statement is retried one by one).
             raise _refused("message", exc) from None
@@ -412,7 +439,7 @@ class PgMessageStore:
                 # (id, applied, status, same_lease, token)
                 cur = conn.cursor(row_factory=tuple_row)
                 rows = await (await cur.execute(q("message_complete"), params)).fetchall()
-        except psycopg.errors.DataError as exc:
+        except REFUSED_INPUT as exc:
             # A result or outcome the database cannot hold: the caller's data, never worth
             # sending again as it is (unlike a lost connection).
             raise _refused("completion", exc) from None

@@ -11,11 +11,12 @@ import psycopg
 import pytest
 
 from appliance.bus.core import Bus, BusConfig
+from appliance.db import message_store
 from appliance.db.database import Database, Endpoints
 from appliance.db.message_rows import message_rows, row_to_message
 from appliance.db.message_store import PgMessageStore, _enqueue_params
 from appliance.db.queries import q
-from appliance.domain.envelope import LEGAL_TRANSITIONS, Lane, MessageStatus
+from appliance.domain.envelope import LEGAL_TRANSITIONS, EnqueueRequest, Lane, MessageStatus
 from appliance.domain.errors import InvalidInput, UnknownTenant
 from appliance.domain.ports import AckOutcome, Completion, FailOutcome, Redrive
 from appliance.domain.retry import RetryPolicy
@@ -649,3 +650,49 @@ async def test_failure_text_the_database_cannot_hold_is_escaped_not_lost(
             await conn.execute("SELECT error FROM appliance.agent_messages WHERE id = %s", (m.id,))
         ).fetchone()
     assert row is not None and row["error"] == "boom \\x00 \\ud800 é"
+
+
+async def test_a_batch_too_large_for_one_statement_goes_in_several_all_or_nothing(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PostgreSQL holds one JSON value to 256 MiB: 280 contexts of 1 MB in one statement failed
+    # every request with a driver error. Statements are cut by bytes as well as by count (the
+    # limit made small here), in one transaction: all of the batch or none of it.
+    monkeypatch.setattr(message_store, "ENQUEUE_STATEMENT_BYTES", 200_000)
+    blob = "x" * 20_000  # 80 KB counted each (4 bytes a character at most)
+    batch = [req(bus, f"big{i}", context={"blob": blob}) for i in range(7)]
+    results = await bus.enqueue_many(batch)
+    assert [r.new for r in results] == [True] * 7
+    assert len({r.id for r in results}) == 7
+    got = await bus.get("acme", results[6].id)
+    assert got is not None and got.source_id == "big6" and got.context == {"blob": blob}
+    doomed = [req(bus, f"more{i}", context={"blob": blob}) for i in range(6)]
+    doomed.append(req(bus, "ghost", tenant="ghost"))  # refused, in the last statement
+    with pytest.raises(UnknownTenant):
+        await bus.enqueue_many(doomed)
+    assert await bus.get("acme", (await bus.enqueue_many([doomed[0]]))[0].id) is not None
+    assert (await bus.enqueue_many([doomed[0]]))[0].new is False  # only now written
+
+
+def test_statements_are_cut_by_count_and_by_bytes(bus: Bus) -> None:
+    small = [req(bus, f"s{i}") for i in range(2500)]
+    assert [len(c) for c in message_store._chunks(small)] == [1000, 1000, 500]
+    big = req(bus, "big", context={"blob": "y" * 600_000})  # 2.4 MB counted
+    sizes = [len(c) for c in message_store._chunks([big] * 60)]
+    assert sizes == [27, 27, 6]  # 64 MiB / 2.4 MB
+    assert [len(c) for c in message_store._chunks([])] == []
+
+
+async def test_a_request_never_carries_more_context_than_the_bus_allows(db: Database) -> None:
+    bus = Bus(PgMessageStore(db), BusConfig(context_max_bytes=2048))
+    with pytest.raises(InvalidInput, match="context: is 4008 bytes, over the limit of 2048"):
+        bus.request(
+            **{**vars_of(req(bus, "c")), "context": {"b": "x" * 4000}}, context_max_bytes=10**9
+        )
+    # Built with a larger limit elsewhere, then handed to this bus: refused all the same.
+    roomy = EnqueueRequest.build(
+        tenant="acme", pipeline="demo", stage="intake", source="test", source_id="r",
+        directive="d", context={"b": "x" * 4000},
+    )  # fmt: skip
+    with pytest.raises(InvalidInput, match="context: of request 0 is 4008 bytes"):
+        await bus.enqueue_many([roomy])

@@ -91,7 +91,12 @@ async def stubborn(ctx: StageContext) -> StageResult:
     return ctx.finish({"ended": "late"})
 
 
+async def oversized(ctx: StageContext) -> StageResult:
+    return ctx.finish({"blob": "z" * 3000})
+
+
 PIPES = [
+    Pipeline("oversized", (Stage("run", oversized, max_attempts=1),)),
     Pipeline("patient", (Stage("run", patient),)),
     Pipeline("wrong", (Stage("run", wrong, max_attempts=1),)),
     Pipeline("unstorable", (Stage("run", unstorable, max_attempts=1),)),
@@ -1044,3 +1049,21 @@ async def test_held_batch_work_waits_for_interactive_work_that_rang(fresh_db: En
     finally:
         for event in gates.values():
             event.set()
+
+
+async def test_a_result_over_the_context_limit_fails_its_attempt(fresh_db: Endpoints) -> None:
+    """A result becomes the next stage's context: one over the limit was handed off past it
+    (or, over PostgreSQL's own limit, refused with its whole acknowledgement batch)."""
+    async with opened(fresh_db, PIPES) as store:
+        bus = Bus(store)
+        big = await bus.enqueue(**request(bus, "oversized", "big"))
+        fine = await bus.enqueue(**request(bus, "quick", "fine"))
+        config = RunnerConfig(
+            worker_id="limits", poll_interval=timedelta(seconds=1), context_max_bytes=2048
+        )
+        async with serving(store, PIPES, config, None):
+            await wait_status(bus, big.id, MessageStatus.DEAD)
+            await wait_status(bus, fine.id, MessageStatus.DONE)
+        got = await bus.get("acme", big.id)
+        assert got is not None and got.result is None
+        assert "returned a result of 3011 bytes, over the limit of 2048 bytes" in str(got.error)

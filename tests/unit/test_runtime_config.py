@@ -145,3 +145,13 @@ def test_the_runtime_statement_timeout_is_a_setting(monkeypatch: pytest.MonkeyPa
         monkeypatch.setenv("APPLIANCE_DB__STATEMENT_TIMEOUT_SECONDS", bad)
         with pytest.raises(ValidationError, match="statement_timeout_seconds"):
             Settings()
+
+
+def test_the_context_limit_stays_under_what_one_statement_can_carry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("APPLIANCE_BUS__CONTEXT_MAX_BYTES", str(64 * 2**20))
+    assert Settings().bus.context_max_bytes == 64 * 2**20
+    monkeypatch.setenv("APPLIANCE_BUS__CONTEXT_MAX_BYTES", str(64 * 2**20 + 1))
+    with pytest.raises(ValidationError, match="context_max_bytes"):
+        Settings()
