@@ -216,7 +216,13 @@ BEGIN
         FOR nxt IN
             SELECT h.retention, jsonb_agg(h.request) AS requests, max(h.at) AS at
             FROM (
-                SELECT jsonb_build_array(
+                -- One hand-off per key: two messages of one run that route to the same next
+                -- stage (a fan-in), finished in one statement, asked enqueue_requests for the
+                -- same key twice, which ON CONFLICT cannot do (the whole statement failed).
+                -- The first, by id, hands off; the others are what they would be one statement
+                -- later, the same key's duplicates.
+                SELECT DISTINCT ON (n.tenant, idempotency_key(n.source, n.source_id, r.next_stage))
+                       jsonb_build_array(
                            n.tenant, n.pipeline, r.next_stage, n.source, n.source_id,
                            idempotency_key(n.source, n.source_id, r.next_stage), s.directive,
                            n.pipeline || '.' || n.stage, n.pipeline || '.' || r.next_stage,
@@ -237,6 +243,7 @@ BEGIN
                  AND r.outcome = coalesce(n.outcome, 'ok')
                 JOIN pipeline_stages s ON s.pipeline = r.pipeline AND s.stage = r.next_stage
                 WHERE n.status = 'done' AND o.status = 'running'
+                ORDER BY n.tenant, idempotency_key(n.source, n.source_id, r.next_stage), n.id
             ) AS h
             GROUP BY h.retention
         LOOP

@@ -108,11 +108,15 @@ def _chunks(requests: Sequence[EnqueueRequest]) -> list[Sequence[EnqueueRequest]
 
 
 # Input PostgreSQL refused as such: not worth sending again as it is (unlike a lost
-# connection). ProgramLimitExceeded: a value over one of its size limits.
+# connection). ProgramLimitExceeded: a value over one of its size limits; integrity and
+# cardinality errors: what the statement asked cannot be, however often it is sent (a batch
+# of them is then sent item by item, so that only the offending one fails).
 REFUSED_INPUT = (
     psycopg.errors.CheckViolation,
     psycopg.errors.DataError,
     psycopg.errors.ProgramLimitExceeded,
+    psycopg.errors.IntegrityError,
+    psycopg.errors.CardinalityViolation,
 )
 
 

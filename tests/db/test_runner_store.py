@@ -163,6 +163,29 @@ async def test_completion_hands_off_to_the_next_stage_exactly_once(rstore: PgRun
     assert c.lease_expires_at == T0 + timedelta(seconds=5)
 
 
+async def test_two_stages_of_a_run_finished_together_hand_off_to_their_next_stage_once(
+    rstore: PgRunnerStore,
+) -> None:
+    # A fan-in: a (outcome skip) and b (outcome ok) of one run both lead to c, the same key.
+    # Acknowledged in one statement, the trigger asked for that key twice and the statement
+    # failed ("ON CONFLICT DO UPDATE command cannot affect row a second time"): both results,
+    # and every other in the runner's batch, were retried until their leases lapsed.
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, "s3"), req(bus, "s3", stage="b")], now=T0)
+    (a,) = await claim(rstore)
+    (b,) = await claim(rstore, Lane.BATCH)
+    outcomes = await rstore.complete(
+        [Completion(b.lease, {"from": "b"}), Completion(a.lease, {"from": "a"}, "skip")],
+        actor="w",
+        now=T0,
+    )
+    assert outcomes == [AckOutcome.APPLIED, AckOutcome.APPLIED]
+    (c,) = await claim(rstore)
+    assert (c.stage, c.source_id) == ("c", "s3")
+    assert c.context == {"from": "a"}  # the first finished message by id hands off
+    assert await claim(rstore) == []
+
+
 async def test_hand_off_keys_keep_the_retention_their_run_was_given(
     rstore: PgRunnerStore, db: Database
 ) -> None:
