@@ -276,6 +276,9 @@ class Runner:
         # clear the lane on the strength of its older snapshot.
         self._hints: dict[Lane, int] = {lane: 0 for lane in Lane}
         self._left_behind: dict[Lane, bool] = {lane: False for lane in Lane}
+        # Lanes whose last claim came back short while this runner's own model attempts kept a
+        # tier's work out of it: asked again when one of those attempts frees its slot.
+        self._short_of_model: set[Lane] = set()
         # The lane whose claim the fill loop awaits now, and the interactive claim started
         # beside it (see _claim_interactive_beside).
         self._claiming_lane: Lane | None = None
@@ -550,6 +553,9 @@ class Runner:
         if len(messages) < asked and self._hints[lane] == hints:
             self._maybe.discard(lane)
         self._left_behind[lane] = found.left_behind
+        if blocked and self.inference is not None and len(messages) < asked:
+            # The backlog it reports leaves blocked tiers out: their work may wait here.
+            self._short_of_model.add(lane)
         if messages:
             # A claim that got all it asked for: a backlog, results arriving claim after claim.
             self._claims_full = len(messages) >= asked
@@ -1217,6 +1223,12 @@ class Runner:
             # that rang while all slots were busy). A lane whose last claim came back short is
             # not asked again here: if its tenants were at their limit, the database still
             # counts this attempt until its outcome commits, and _finish asks again then.
+            if attempt.tier is not None and self._short_of_model:
+                # Model work a claim left for want of room in the pool: room now (this
+                # attempt's place), and nothing else (doorbell, backlog) would ask again
+                # before the fallback poll.
+                self._hint(*self._short_of_model)
+                self._short_of_model.clear()
             if any(self.slots.free(lane) > 0 for lane in self._maybe):
                 self._wake.set()
 
