@@ -470,7 +470,10 @@ class Runner:
             if free <= 0 or lane not in self._maybe:
                 continue
             if lane is Lane.INTERACTIVE and self._side_claim is not None:
-                continue  # claimed beside the last fill; it wakes this loop when it ends
+                # Claimed beside the last fill, still in flight; it wakes this loop when it
+                # ends. Lower lanes wait for it: claimed now, they would take the shared slots
+                # its work beyond the reserved ones needs (strict lane order).
+                return total
             self._claiming_lane = lane
             try:
                 claimed = await self._claim_into(lane, free, polled)
