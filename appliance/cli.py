@@ -23,7 +23,7 @@ from appliance import cli_models, cli_spend
 from appliance.db.database import DATABASE_ERRORS, check_server, client_command, error_text
 from appliance.db.migrate import migrate
 from appliance.db.schema_dump import dump_schema
-from appliance.domain.envelope import WAITING, Lane, MessageStatus, decode_context
+from appliance.domain.envelope import WAITING, Lane, MessageStatus, check_name, decode_context
 from appliance.domain.errors import (
     ApplianceError,
     ConfigurationError,
@@ -365,6 +365,8 @@ async def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
     async with services(settings) as svc:
         tenant = getattr(args, "tenant", None)
+        if tenant is not None:
+            check_name("tenant", tenant)  # text the database can take, before it is asked
         if tenant is not None and not await svc.tenants.exists(tenant):
             # Otherwise row-level security shows an unknown tenant nothing, indistinguishable
             # from "nothing to do".
@@ -686,6 +688,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(handler(settings, args))
     except ApplianceError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except UnicodeError as exc:
+        # An argument that is not valid text (bytes that are not UTF-8 in the command line)
+        # where no check names it first: one line, not a trace.
+        print(f"error: an argument is not valid UTF-8 text ({exc})", file=sys.stderr)
         return 2
     except DATABASE_ERRORS as exc:
         # The server went away, refused a statement or was never there: one line, no trace.

@@ -20,6 +20,7 @@ from appliance.domain.envelope import (
     Lane,
     LeaseRef,
     Message,
+    check_free_text,
     lease_duration_ok,
     parse_lane,
 )
@@ -37,6 +38,9 @@ from appliance.domain.ports import (
 from appliance.domain.retry import RetryPolicy
 
 ALL_LANES: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
+
+# A cancel's reason is written on the message and in its transition log.
+REASON_MAX_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,7 @@ class Bus:
         actor: str = "operator",
         now: datetime | None = None,
     ) -> bool:
+        reason = check_free_text("reason", reason, REASON_MAX_CHARS)
         return await self.store.cancel(tenant, message_id, reason=reason, actor=actor, now=now)
 
     async def expire(self, *, now: datetime | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from appliance.db.database import Database
 from appliance.db.queries import q
-from appliance.domain.envelope import NAME_RE
+from appliance.domain.envelope import NAME_RE, check_free_text
 from appliance.domain.errors import InvalidInput
 
 DISPLAY_NAME_MAX_CHARS = 200
@@ -24,13 +24,8 @@ class PgTenantStore:
                 f"{name!r} is not a valid tenant name (lowercase letters, digits, '_', '-', '.';"
                 " 1-63 characters, starting with a letter or digit)",
             )
-        if display_name is not None and not (
-            0 < len(display_name) <= DISPLAY_NAME_MAX_CHARS and "\x00" not in display_name
-        ):
-            raise InvalidInput(
-                "display_name",
-                f"must be 1-{DISPLAY_NAME_MAX_CHARS} characters without NUL",
-            )
+        if display_name is not None:
+            check_free_text("display_name", display_name, DISPLAY_NAME_MAX_CHARS)
         async with self.db.system_conn() as conn:
             cur = await conn.execute(q("tenant_add"), {"name": name, "display_name": display_name})
             return await cur.fetchone() is not None

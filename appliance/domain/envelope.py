@@ -98,7 +98,8 @@ def _check_text(field_name: str, value: object) -> None:
         raise InvalidInput(field_name, f"must be text, got {type(value).__name__}")
 
 
-def _check_name(field_name: str, value: str) -> str:
+def check_name(field_name: str, value: str) -> str:
+    """A name (tenant, pipeline, stage, source, outcome), or an error naming the field."""
     _check_text(field_name, value)
     if not NAME_RE.match(value):
         raise InvalidInput(
@@ -215,6 +216,20 @@ def storable_text(text: str, limit: int = 8000) -> str:
     if not text.isascii():
         text = text.encode("utf-8", "backslashreplace").decode()
     return text
+
+
+def check_free_text(field_name: str, value: object, limit: int) -> str:
+    """Free text a person gives (a cancel's reason, a tenant's display name): 1 to `limit`
+    characters that PostgreSQL text can hold, or an error naming the field."""
+    _check_text(field_name, value)
+    assert isinstance(value, str)
+    if not 0 < len(value) <= limit:
+        raise InvalidInput(field_name, f"must be 1-{limit} characters, got {len(value)}")
+    if "\x00" in value:
+        raise InvalidInput(field_name, "contains a NUL character, which text cannot store")
+    if not value.isascii():
+        _check_unicode(field_name, value)
+    return value
 
 
 def _check_unicode(field_name: str, text: str) -> None:
@@ -357,10 +372,10 @@ class EnqueueRequest:
         hops: int = 0,
     ) -> EnqueueRequest:
         """Validate every field before anything touches the database; errors name the field."""
-        _check_name("tenant", tenant)
-        _check_name("pipeline", pipeline)
-        _check_name("stage", stage)
-        _check_name("source", source)
+        check_name("tenant", tenant)
+        check_name("pipeline", pipeline)
+        check_name("stage", stage)
+        check_name("source", source)
         texts = (
             ("source_id", source_id),
             ("directive", directive),

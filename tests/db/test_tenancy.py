@@ -426,8 +426,13 @@ async def test_a_display_name_is_bounded_and_named_when_wrong(db: Database) -> N
     from appliance.domain.errors import InvalidInput
 
     tenants = PgTenantStore(db)
-    for bad in ("", "x" * 201, "a\x00b"):
-        with pytest.raises(InvalidInput, match="display_name: must be 1-200 characters"):
+    for bad, why in (
+        ("", "must be 1-200 characters"),
+        ("x" * 201, "must be 1-200 characters"),
+        ("a\x00b", "contains a NUL character"),
+        ("a\udcffb", "contains a lone surrogate"),
+    ):
+        with pytest.raises(InvalidInput, match=f"display_name: {why}"):
             await tenants.add("initech", display_name=bad)
     assert not await tenants.exists("initech")
     assert await tenants.add("initech", display_name="Initech, Inc.")

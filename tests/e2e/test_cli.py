@@ -245,6 +245,29 @@ def test_reclaim_says_when_the_work_is_back(env: dict[str, str], fresh_db: Endpo
     assert 0.9 < float(out.split("within ")[1].split(" s")[0]) <= 2.0, out
 
 
+def test_text_that_is_not_utf8_or_too_long_is_named_not_a_trace(env: dict[str, str]) -> None:
+    # "\udcff" reaches the command line as the byte 0xff, which is not UTF-8.
+    run(env, "tenant", "add", "acme")
+    out = run(
+        env, "submit", "--tenant", "acme", "--pipeline", "p", "--stage", "s", "--source", "c",
+        "--source-id", "u", "--directive", "d",
+    ).stdout  # fmt: skip
+    mid = out.split()[0]
+    cases = [
+        (["bus", "show", "--tenant", "\udcff", mid], "tenant: "),
+        (["bus", "redrive", "--tenant", "\udcff"], "tenant: "),
+        (["bus", "cancel", "--tenant", "acme", "--reason", "\udcff", mid], "reason: "),
+        (["bus", "cancel", "--tenant", "acme", "--reason", "x" * 501, mid], "reason: must be"),
+        (["tenant", "add", "okname", "--display-name", "\udcff"], "display_name: "),
+    ]
+    for args, named in cases:
+        proc = run(env, *args, check=False)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert named in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+    assert "cancelled" in run(env, "bus", "cancel", "--tenant", "acme", "--reason", "x" * 500,
+                              mid).stdout  # fmt: skip
+
+
 def test_a_list_setting_that_is_not_json_is_one_line_not_a_trace(env: dict[str, str]) -> None:
     proc = run({**env, "APPLIANCE_RUNNER__PIPELINES": "demo,support"}, "status", check=False)
     assert proc.returncode == 2
