@@ -80,6 +80,10 @@ LEGAL_TRANSITIONS: frozenset[tuple[MessageStatus, MessageStatus]] = frozenset(
 )
 
 
+# The prefix of the keys the bus derives; an explicit key may not take it (see build).
+DERIVED_KEY_PREFIX = "k1:"
+
+
 def idempotency_key(source: str, source_id: str, stage: str) -> str:
     """The deterministic key of (source, source id, stage): same inputs, same key, on every box.
 
@@ -88,7 +92,7 @@ def idempotency_key(source: str, source_id: str, stage: str) -> str:
     equal.
     """
     raw = "|".join(f"{len(part)}:{part}" for part in (source, source_id, stage))
-    return "k1:" + hashlib.sha256(raw.encode()).hexdigest()
+    return DERIVED_KEY_PREFIX + hashlib.sha256(raw.encode()).hexdigest()
 
 
 def _check_text(field_name: str, value: object) -> None:
@@ -397,6 +401,18 @@ class EnqueueRequest:
             )
         if key is not None and not (0 < len(key) <= KEY_MAX_CHARS):
             raise InvalidInput("idempotency_key", f"must be 1-{KEY_MAX_CHARS} characters")
+        if (
+            key is not None
+            and key.startswith(DERIVED_KEY_PREFIX)
+            and key != idempotency_key(source, source_id, stage)
+        ):
+            # Derived keys are the bus's own (stage hand-offs use them): one given for another
+            # (source, source id, stage) would take that stage's key and swallow its hand-off.
+            raise InvalidInput(
+                "idempotency_key",
+                f"must not start with {DERIVED_KEY_PREFIX!r}: such keys are derived from "
+                "(source, source id, stage) by the bus",
+            )
         _check_int("priority", priority, -1000, 1000)
         _check_int("hops", hops, 0, HOPS_MAX)
         if max_attempts is not None:

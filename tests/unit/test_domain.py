@@ -47,6 +47,15 @@ def test_key_is_deterministic_and_derived_from_source_id_stage() -> None:
     assert build(key="mine").idempotency_key == "mine"
 
 
+def test_an_explicit_key_cannot_take_another_stages_derived_key() -> None:
+    # Given the key of the next stage of its run, it took that stage's key: the stage's
+    # hand-off was then answered "duplicate" and the run ended there, unseen.
+    with pytest.raises(InvalidInput, match="idempotency_key: must not start with 'k1:'"):
+        build(key=idempotency_key("mail", "1", "enrich"))
+    own = idempotency_key("mail", "1", "intake")
+    assert build(key=own).idempotency_key == own  # its own derived key, said aloud: harmless
+
+
 _tricky = st.text(alphabet="ab1:|", max_size=6)
 
 
