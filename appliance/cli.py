@@ -198,6 +198,15 @@ async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
         if not await svc.tenants.exists(args.tenant):
             raise UnknownTenant(args.tenant)
         await _declare_pipeline(settings, svc, args.pipeline)
+        stages = await svc.store.stages_of(args.pipeline)
+        if stages and args.stage not in stages:
+            # A declared pipeline: a typo'd stage would be claimed and failed by every runner
+            # ("no handler") until dead. A pipeline never declared is taken as it comes.
+            raise InvalidInput(
+                "stage",
+                f"unknown stage {args.stage!r} of pipeline {args.pipeline}"
+                f" (one of: {', '.join(stages)})",
+            )
         (result,) = await svc.bus.enqueue_many([request])
     print(f"{result.id} {'new' if result.new else 'duplicate'}")
     return 0

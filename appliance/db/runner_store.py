@@ -253,6 +253,12 @@ class PgRunnerStore(PgMessageStore):
             if retier and stale:
                 await self._retier_skipped(pipeline.name, retier)
 
+    async def stages_of(self, pipeline: str) -> list[str]:
+        """The stages written for `pipeline`; empty when it was never declared."""
+        async with self.db.system_conn() as conn:
+            cur = await conn.execute(q("pipeline_stage_names"), {"pipeline": pipeline})
+            return [row["stage"] for row in await cur.fetchall()]
+
     async def _retier(
         self, conn: psycopg.AsyncConnection[Any], pipeline: str, stages: list[str]
     ) -> bool:

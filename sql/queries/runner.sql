@@ -260,6 +260,10 @@ RETURNING (SELECT b.tier FROM before b) IS DISTINCT FROM %(tier)s::text AS retie
 -- Whether some runner has written a pipeline's stage graph.
 SELECT EXISTS (SELECT FROM pipeline_stages s WHERE s.pipeline = %(pipeline)s) AS known;
 
+-- name: pipeline_stage_names :many
+-- The stages written for a pipeline (none: no runner or submit has declared it).
+SELECT s.stage FROM pipeline_stages s WHERE s.pipeline = %(pipeline)s ORDER BY s.stage;
+
 -- name: pipeline_routes_clear :exec
 -- Forget a pipeline's routes before writing the declared ones.
 DELETE FROM stage_routes WHERE pipeline = %(pipeline)s;
