@@ -562,9 +562,9 @@ class Runner:
         if messages:
             # A claim that got all it asked for: a backlog, results arriving claim after claim.
             self._claims_full = len(messages) >= asked
-        now, wall = asyncio.get_running_loop().time(), self.clock()
+        now = asyncio.get_running_loop().time()
         for message in messages:
-            self._hold(message, now, wall)
+            self._hold(message, now)
         # Into the free slots now, in the order claimed, after any held before; the rest wait
         # for slots (or, when stopping, are given back by the drain).
         self._start_held(lane)
@@ -664,17 +664,21 @@ class Runner:
         candidates = [d for d in (message.deadline, run_deadline) if d is not None]
         return min(candidates) if candidates else None
 
-    def _hold(self, message: Message, now: float, wall: datetime) -> None:
+    def _hold(self, message: Message, now: float) -> None:
         """Hold a claimed message until a slot frees, with a time by which it must start.
 
         Its lease counts from the claim (the claim ends it at the run deadline if that comes
         first) and held work is not heartbeated, so it must start within a small share of the
         lease (and within a heartbeat interval), or go back for any runner to claim.
-        `now` is the loop's clock, `wall` the clock leases are compared with."""
+        `now` is the loop's clock. The lease's length is read from the database's own two
+        times (its end and the claim's, `updated_at`), never against this machine's clock: one
+        ahead of the database's by a lease gave every claimed message no time at all, and the
+        runner claimed and gave back without running anything."""
         limit = self.config.heartbeat_every.total_seconds()
         end = message.lease_expires_at
         if end is not None:
-            limit = min(limit, max(0.0, (end - wall).total_seconds() * HELD_SHARE_OF_LEASE))
+            span = (end - message.updated_at).total_seconds()
+            limit = min(limit, max(0.0, span * HELD_SHARE_OF_LEASE))
         self._ahead.hold(message, now + limit)
 
     def _start_held(self, lane: Lane) -> None:

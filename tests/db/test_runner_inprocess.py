@@ -143,11 +143,13 @@ async def serving(
     config: RunnerConfig,
     doorbell: PgDoorbell | None,
     *gates: asyncio.Event,
+    **options: Any,
 ) -> AsyncIterator[Runner]:
-    """A runner of `pipes` in this event loop; on the way out its `gates` open, then it stops."""
+    """A runner of `pipes` in this event loop; on the way out its `gates` open, then it stops.
+    `options`: more Runner arguments (its clock)."""
     for g in gates:
         g.clear()
-    runner = Runner(store, Registry(pipes), config, doorbell=doorbell)
+    runner = Runner(store, Registry(pipes), config, doorbell=doorbell, **options)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
@@ -1067,3 +1069,23 @@ async def test_a_result_over_the_context_limit_fails_its_attempt(fresh_db: Endpo
         got = await bus.get("acme", big.id)
         assert got is not None and got.result is None
         assert "returned a result of 3011 bytes, over the limit of 2048 bytes" in str(got.error)
+
+
+async def test_a_runner_whose_clock_runs_ahead_of_the_database_still_runs_its_claims(
+    fresh_db: Endpoints,
+) -> None:
+    """A claimed message may wait for a slot a share of its lease, read from the database's own
+    times: measured against this machine's clock an hour ahead, every claim had no time left
+    and was given back unrun, claim after claim."""
+    async with opened(fresh_db, PIPES) as store:
+        bus = Bus(store)
+        ids = [(await bus.enqueue(**request(bus, "quick", f"c{i}"))).id for i in range(6)]
+        config = RunnerConfig(worker_id="ahead", concurrency=4, poll_interval=timedelta(seconds=1))
+
+        def ahead() -> datetime:
+            return datetime.now(UTC) + timedelta(hours=1)
+
+        async with serving(store, PIPES, config, None, clock=ahead) as runner:
+            for mid in ids:
+                await wait_status(bus, mid, MessageStatus.DONE)
+            assert runner.stats.completed == 6
