@@ -1363,7 +1363,16 @@ class Runner:
             # ends, or after the grace if it ignores the cancellation (_abandon).
             attempt.task.cancel()
         # Cooperative first: the handler sees ctx.cancelled; after the grace, we cancel it.
-        attempt.hard_cancel_at = time.monotonic() + self.config.cancel_grace.total_seconds()
+        # At the grace's end itself, not at the first heartbeat tick after it (up to a third
+        # of a lease later); the tick still checks, should this timer be lost.
+        grace = self.config.cancel_grace.total_seconds()
+        attempt.hard_cancel_at = time.monotonic() + grace
+        asyncio.get_running_loop().call_later(grace, self._hard_cancel_due, attempt)
+
+    def _hard_cancel_due(self, attempt: _Attempt) -> None:
+        due = attempt.hard_cancel_at
+        if due is not None and time.monotonic() >= due:
+            self._abandon(attempt)
 
     def _abandon(self, attempt: _Attempt) -> None:
         attempt.hard_cancel_at = None
