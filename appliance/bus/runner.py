@@ -750,6 +750,7 @@ class Runner:
             clock=self.clock,
             inferrer=inferrer if self.inference is not None else None,
             writer=writer,
+            context_max_bytes=self.config.context_max_bytes,
         )
         attempt = _Attempt(
             message=message, context=context, cancelled=cancelled, started=time.monotonic()

@@ -17,7 +17,14 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from appliance.domain.budget import RunBudget
-from appliance.domain.envelope import NAME_RE, JSONValue, Lane, Message
+from appliance.domain.envelope import (
+    DEFAULT_CONTEXT_MAX_BYTES,
+    NAME_RE,
+    JSONValue,
+    Lane,
+    Message,
+    encode_context,
+)
 from appliance.domain.errors import ConfigurationError, InvalidInput
 from appliance.domain.inference import (
     ChatMessage,
@@ -67,8 +74,10 @@ class StageContext:
         clock: Callable[[], datetime],
         inferrer: Inferrer | None = None,
         writer: Callable[[int], Awaitable[None]] | None = None,
+        context_max_bytes: int = DEFAULT_CONTEXT_MAX_BYTES,
     ) -> None:
         self.message = message
+        self.context_max_bytes = context_max_bytes
         self.tenant = message.tenant
         self.deadline = deadline
         self._cancelled = cancelled
@@ -100,6 +109,11 @@ class StageContext:
             raise InvalidInput("stage", f"{stage!r} is not a valid stage name")
         if not key or len(key) > 200:
             raise InvalidInput("key", "must be 1-200 characters")
+        # Checked here, where the handler can still act on it: found only at completion, it
+        # failed the attempt, and a retry ran the handler (and its side effects) again.
+        encode_context(context, self.context_max_bytes)
+        if directive is not None and not directive.strip():
+            raise InvalidInput("directive", "must not be empty")
         self.spawned.append(Spawn(stage, key, context, directive))
 
     async def reserve_write(self, count: int = 1) -> None:

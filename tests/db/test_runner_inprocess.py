@@ -95,8 +95,17 @@ async def oversized(ctx: StageContext) -> StageResult:
     return ctx.finish({"blob": "z" * 3000})
 
 
+async def spawns_too_much(ctx: StageContext) -> StageResult:
+    try:
+        ctx.spawn("run", "child", context={"blob": "z" * 3000})
+    except InvalidInput as exc:
+        return ctx.finish({"refused": str(exc)})  # told at once: it can act on it
+    return ctx.finish({"refused": None})
+
+
 PIPES = [
     Pipeline("oversized", (Stage("run", oversized, max_attempts=1),)),
+    Pipeline("spawns_too_much", (Stage("run", spawns_too_much),)),
     Pipeline("patient", (Stage("run", patient),)),
     Pipeline("wrong", (Stage("run", wrong, max_attempts=1),)),
     Pipeline("unstorable", (Stage("run", unstorable, max_attempts=1),)),
@@ -1060,12 +1069,18 @@ async def test_a_result_over_the_context_limit_fails_its_attempt(fresh_db: Endpo
         bus = Bus(store)
         big = await bus.enqueue(**request(bus, "oversized", "big"))
         fine = await bus.enqueue(**request(bus, "quick", "fine"))
+        spawner = await bus.enqueue(**request(bus, "spawns_too_much", "sp"))
         config = RunnerConfig(
             worker_id="limits", poll_interval=timedelta(seconds=1), context_max_bytes=2048
         )
         async with serving(store, PIPES, config, None):
             await wait_status(bus, big.id, MessageStatus.DEAD)
             await wait_status(bus, fine.id, MessageStatus.DONE)
+            await wait_status(bus, spawner.id, MessageStatus.DONE)
+        # A spawn over the limit is refused inside the handler, the first time it asks.
+        told = await bus.get("acme", spawner.id)
+        assert told is not None and told.attempts == 1 and told.result is not None
+        assert "context: is 3011 bytes, over the limit of 2048 bytes" in told.result["refused"]
         got = await bus.get("acme", big.id)
         assert got is not None and got.result is None
         assert "returned a result of 3011 bytes, over the limit of 2048 bytes" in str(got.error)
