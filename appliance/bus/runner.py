@@ -1073,17 +1073,21 @@ class Runner:
         finds its keys taken and enqueues nothing twice)."""
         message = attempt.message
         requests = [
-            EnqueueRequest.build(
-                tenant=message.tenant,
-                pipeline=message.pipeline,
-                stage=spawn.stage,
-                source=message.source,
-                source_id=message.source_id,  # the same run, the same run budget
-                directive=spawn.directive or message.directive,
-                context=spawn.context,
-                hops=message.hops + 1,
-                context_max_bytes=self.config.context_max_bytes,
-                key=idempotency_key(
+            # Keyed by the bus itself, in its derived namespace (run, "stage#spawn:key"), which
+            # a caller's explicit key may not take: set after the caller-facing checks.
+            dataclasses.replace(
+                EnqueueRequest.build(
+                    tenant=message.tenant,
+                    pipeline=message.pipeline,
+                    stage=spawn.stage,
+                    source=message.source,
+                    source_id=message.source_id,  # the same run, the same run budget
+                    directive=spawn.directive or message.directive,
+                    context=spawn.context,
+                    hops=message.hops + 1,
+                    context_max_bytes=self.config.context_max_bytes,
+                ),
+                idempotency_key=idempotency_key(
                     message.source, message.source_id, f"{spawn.stage}#spawn:{spawn.key}"
                 ),
             )
