@@ -346,35 +346,28 @@ async def test_a_runs_tokens_keep_what_a_call_may_have_used(
     assert run is not None and run["used"]["tokens"] == kept
 
 
-async def test_a_call_stopped_part_way_without_an_energy_figure_is_charged_its_reservation(
-    governor: Governor, db: Database
-) -> None:
-    # The meter failed (no figure) and the call was stopped after some tokens: it ran, so it
-    # is charged its reservation, as any call that ran without a figure, never nothing.
+@pytest.mark.parametrize(
+    ("energy", "provenance", "charged"),
+    [
+        # The meter failed (no figure): it ran, so it is charged its reservation, as any call
+        # that ran without a figure, never nothing.
+        (None, None, Decimal("0.00002")),
+        # A measured 0 J: it ran all the same, so its hold is settled, not released as one
+        # that never started.
+        (0.0, "measured", Decimal(0)),
+    ],
+)
+async def test_a_call_stopped_part_way_after_reading_tokens_is_settled(
+    governor: Governor, db: Database, energy: float | None, provenance: str | None,
+    charged: Decimal,
+) -> None:  # fmt: skip
     message = await claimed(db, "p")
     admission = await admit(governor, message)
     amount = await governor.settle(
-        message, admission, energy_joules=None, provenance=None, prompt_tokens=8,
+        message, admission, energy_joules=energy, provenance=provenance, prompt_tokens=8,
         completion_tokens=3, failed=True,
     )  # fmt: skip
-    assert amount == admission.estimate.amount == Decimal("0.00002")
+    assert amount == charged
     async with db.system_conn() as conn:
         row = await (await conn.execute("SELECT status, amount FROM spend_ledger")).fetchone()
-    assert row is not None and (row["status"], row["amount"]) == ("settled", amount)
-
-
-async def test_a_call_that_read_tokens_is_settled_even_at_zero_joules(
-    governor: Governor, db: Database
-) -> None:
-    # Stopped part way with a measured 0 J: it ran (it read and wrote tokens), so its hold is
-    # settled like any call that ran, not released as one that never started.
-    message = await claimed(db, "z")
-    admission = await admit(governor, message)
-    amount = await governor.settle(
-        message, admission, energy_joules=0.0, provenance="measured", prompt_tokens=8,
-        completion_tokens=1, failed=True,
-    )  # fmt: skip
-    assert amount == 0
-    async with db.system_conn() as conn:
-        row = await (await conn.execute("SELECT status, amount FROM spend_ledger")).fetchone()
-    assert row is not None and (row["status"], row["amount"]) == ("settled", 0)
+    assert row is not None and (row["status"], row["amount"]) == ("settled", charged)

@@ -81,13 +81,17 @@ async def rig(fresh_db: Endpoints, request: pytest.FixtureRequest) -> AsyncItera
         await db.close()
 
 
+async def rambling(rig: Rig, source_id: str) -> int:
+    """A message of the ramble pipeline whose deadline leaves its call CALL_TIME."""
+    result = await rig.bus.enqueue(
+        tenant="acme", pipeline="ramble", stage="run", source="t", source_id=source_id,
+        directive="tell it", deadline=datetime.now(UTC) + MARGIN + CALL_TIME,
+    )  # fmt: skip
+    return result.id
+
+
 async def test_a_call_stopped_by_its_timeout_charges_the_run_the_tokens_it_used(rig: Rig) -> None:
-    mid = (
-        await rig.bus.enqueue(
-            tenant="acme", pipeline="ramble", stage="run", source="t", source_id="r1",
-            directive="tell it", deadline=datetime.now(UTC) + MARGIN + CALL_TIME,
-        )
-    ).id  # fmt: skip
+    mid = await rambling(rig, "r1")
 
     async def ended() -> bool:
         rows = await rig.rows(
@@ -117,12 +121,7 @@ async def test_a_call_stopped_by_its_timeout_charges_the_run_the_tokens_it_used(
 async def test_a_stopped_call_the_meter_lost_is_charged_its_reservation(rig: Rig) -> None:
     # No energy figure, and a call that failed: it was charged nothing and its hold released,
     # as if it had never run. What it used is not known: its reservation, money and tokens.
-    mid = (
-        await rig.bus.enqueue(
-            tenant="acme", pipeline="ramble", stage="run", source="t", source_id="r2",
-            directive="tell it", deadline=datetime.now(UTC) + MARGIN + CALL_TIME,
-        )
-    ).id  # fmt: skip
+    mid = await rambling(rig, "r2")
 
     async def settled() -> bool:
         return bool(await rig.rows("SELECT 1 FROM spend_ledger WHERE status <> 'reserved'"))
