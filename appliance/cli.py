@@ -428,10 +428,7 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             shown["inference_calls"] = await svc.store.calls_of(args.tenant, args.id)
             print(json.dumps(shown, indent=2, default=str))
         elif args.bus_action == "reclaim":
-            bus = svc.bus
-            found = await bus.store.reclaim_due(
-                batch=bus.config.maintenance_batch, now=None, backoff=bus.config.retry
-            )
+            found = await svc.bus.reclaim_due()
             waits = [due for _, due in found if due is not None]
             line = f"reclaimed: {len(found)}"
             if found:

@@ -71,6 +71,18 @@ def endpoints(settings: Settings) -> Endpoints:
     return Endpoints.from_admin(cluster.conninfo(dbname=settings.db.name))
 
 
+def database(
+    settings: Settings, ends: Endpoints | None = None, *, min_size: int, max_size: int
+) -> Database:
+    """The runtime pools of these settings (their endpoints unless `ends` is given)."""
+    return Database(
+        ends or endpoints(settings),
+        min_size=min_size,
+        max_size=max_size,
+        statement_timeout=settings.db.statement_timeout,
+    )
+
+
 def pg_tool(settings: Settings, name: str) -> str:
     """A PostgreSQL client program (psql, pg_dump): from the server binaries found, or, for an
     external server (which needs no local server package), from PATH."""
@@ -113,12 +125,7 @@ class Services:
 @asynccontextmanager
 async def services(settings: Settings, ends: Endpoints | None = None) -> AsyncIterator[Services]:
     """Open the pools, wire the stores and the bus; close everything on the way out."""
-    db = Database(
-        ends or endpoints(settings),
-        min_size=settings.db.pool_min,
-        max_size=settings.db.pool_max,
-        statement_timeout=settings.db.statement_timeout,
-    )
+    db = database(settings, ends, min_size=settings.db.pool_min, max_size=settings.db.pool_max)
     await db.open()
     try:
         store = PgRunnerStore(db)
@@ -395,12 +402,7 @@ async def _serve(
     stop: asyncio.Event,
 ) -> None:
     ends = endpoints(settings)
-    db = Database(
-        ends,
-        min_size=2,
-        max_size=max(4, min(config.concurrency + 4, 32)),
-        statement_timeout=settings.db.statement_timeout,
-    )
+    db = database(settings, ends, min_size=2, max_size=max(4, min(config.concurrency + 4, 32)))
     await db.open()
     try:
         store = PgRunnerStore(db)
@@ -525,9 +527,7 @@ async def calibrate(
             )
     finally:
         await pool.close()
-    db = Database(
-        endpoints(settings), min_size=1, max_size=2, statement_timeout=settings.db.statement_timeout
-    )
+    db = database(settings, min_size=1, max_size=2)
     await db.open()
     try:
         store = PgCalibrationStore(db)

@@ -20,6 +20,7 @@ from appliance.domain.envelope import (
     Lane,
     LeaseRef,
     Message,
+    bytes_over,
     check_free_text,
     lease_duration_ok,
     parse_lane,
@@ -115,10 +116,9 @@ class Bus:
         """Enqueue a validated batch atomically (all rows or none)."""
         limit = self.config.context_max_bytes
         for i, request in enumerate(requests):
-            # Built elsewhere (another bus's request(), or by hand) with a larger limit. UTF-8
-            # takes at most 4 bytes a character: most contexts need no encoding to tell.
-            text = request.context_json
-            if len(text) * 4 > limit and (size := len(text.encode())) > limit:
+            # Built elsewhere (another bus's request(), or by hand) with a larger limit.
+            size = bytes_over(request.context_json, limit)
+            if size is not None:
                 raise InvalidInput(
                     "context", f"of request {i} is {size} bytes, over the limit of {limit} bytes"
                 )
@@ -205,7 +205,12 @@ class Bus:
         return await self.store.expire(limits, batch=self.config.maintenance_batch, now=now)
 
     async def reclaim(self, *, now: datetime | None = None) -> list[int]:
-        return await self.store.reclaim(
+        return [mid for mid, _ in await self.reclaim_due(now=now)]
+
+    async def reclaim_due(self, *, now: datetime | None = None) -> list[tuple[int, float | None]]:
+        """Reclaim a batch of expired leases; each message with the seconds until its retry is
+        due (None: it went dead)."""
+        return await self.store.reclaim_due(
             batch=self.config.maintenance_batch, now=now, backoff=self.config.retry
         )
 

@@ -256,9 +256,11 @@ class Governor:
         note = None
         if cut:
             note = "generation stopped at the energy its hold paid for (joules per token too low)"
+        # A call that read or wrote tokens ran, whatever else is known of it.
+        ran = bool(prompt_tokens or completion_tokens)
         if energy_joules is not None:
             amount = self.config.pricing.tariff.cost(energy_joules, local)
-        elif failed and not usage_unknown and not (prompt_tokens or completion_tokens):
+        elif failed and not usage_unknown and not ran:
             # It never ran (refused, cancelled before its start). One stopped part way says
             # what it read and wrote: it ran, so without a meter figure it is charged below.
             amount = Decimal(0)
@@ -278,11 +280,8 @@ class Governor:
                 amount=amount,
                 energy_joules=energy_joules,
                 provenance=provenance,
-                # A call that read or wrote tokens ran, even when it measured 0 J: settled.
-                released=failed
-                and amount == 0
-                and not usage_unknown
-                and not (prompt_tokens or completion_tokens),
+                # Released only if it never ran: one that ran is settled, even at 0 J.
+                released=failed and amount == 0 and not usage_unknown and not ran,
                 note=note,
                 now=None,
             )

@@ -31,6 +31,7 @@ from appliance.domain.envelope import (
     Lane,
     LeaseRef,
     Message,
+    bytes_over,
     encode_json,
     idempotency_key,
 )
@@ -822,8 +823,8 @@ class Runner:
                     f"{exc.problem}",
                 )
                 return
-            size = len(result_json.encode())
-            if size > self.config.context_max_bytes:
+            size = bytes_over(result_json, self.config.context_max_bytes)
+            if size is not None:
                 # A result becomes the next stage's context: held to the context's limit, here
                 # and visibly, rather than handed off past it or refused by the database with
                 # the rest of its acknowledgement batch.
