@@ -331,9 +331,10 @@ def status_text(st: BusStatus) -> str:
             )
     if st.stages:
         lines.append("stages:")
-        for stage, counts in st.stages.items():
-            shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-            lines.append(f"  {stage:<28} {shown}")
+        for pipeline, of_pipeline in st.stages.items():
+            for stage, counts in of_pipeline.items():
+                shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+                lines.append(f"  {pipeline + '.' + stage:<28} {shown}")
     return "\n".join(lines)
 
 

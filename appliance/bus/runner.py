@@ -190,6 +190,7 @@ class _Attempt:
     stop_reason: str | None = None
     hard_cancel_at: float | None = None
     acked: bool = False
+    acked_at: float = 0.0  # monotonic, when its result was queued for acknowledgement
     slot_free: bool = False
     started: float = 0.0  # monotonic, when it took its slot
     # Waiting (between asks) for the cap's room: not using the model pool meanwhile.
@@ -267,6 +268,9 @@ class Runner:
         self._acks: list[tuple[_Attempt, Completion]] = []
         self._acking: list[tuple[_Attempt, Completion]] = []  # the batch being acknowledged
         self._alone = 0  # items at the head of _acks to send one by one (a refused batch)
+        # The last acknowledgement failed (the database took the claims but not the results):
+        # no claims until one commits, or results would pile up unacknowledged.
+        self._acks_failing = False
         self._ack_ready = asyncio.Event()
         self._wake = asyncio.Event()
         # Lanes that may hold claimable work: set by the doorbell (its payload is the lane), by
@@ -449,7 +453,10 @@ class Runner:
 
     async def _fill(self, polled: bool) -> int:
         """Claim into every free slot, lane by lane in strict order; returns how many."""
-        if self._stopping:
+        if self._stopping or self._acks_failing:
+            # Not while results cannot be stored: a handler's slot is free as soon as its
+            # result is queued, so claims would go on taking work whose results (and leases,
+            # lapsing meanwhile) are then lost to a re-run elsewhere. A commit wakes us.
             return 0
         now_mono = time.monotonic()
         if now_mono - self._last_reclaim >= self.config.reclaim_every.total_seconds():
@@ -498,6 +505,7 @@ class Runner:
         every shared slot."""
         if (
             self._stopping
+            or self._acks_failing
             or self._claiming_lane in (None, Lane.INTERACTIVE)
             or self._side_claim is not None
             or (free := self.slots.own_free(Lane.INTERACTIVE)) <= 0
@@ -544,6 +552,8 @@ class Runner:
                 # Handlers done, outcomes on their way: the database counts them as running
                 # until their acknowledgement commits; they do not hold back this claim.
                 finished=[c.lease for _, c in self._acks + self._acking],
+                # Only work this runner has handlers for: another runner may serve the rest.
+                served=self.registry.served,
             )
         except Exception:
             log.exception("claim failed; retrying on the next wake-up")
@@ -838,6 +848,7 @@ class Runner:
             if attempt.context.spawned:
                 await self._enqueue_spawned(attempt)
             attempt.acked = True
+            attempt.acked_at = time.monotonic()
             self._acks.append(
                 (attempt, Completion(attempt.lease, result.result, result.outcome, result_json))
             )
@@ -1315,10 +1326,16 @@ class Runner:
                 log.exception("acknowledging %d results failed; retrying", len(batch))
                 self._acks = batch + self._acks
                 self._alone += alone
+                self._acks_failing = True
                 await asyncio.sleep(0.5)
                 continue
             finally:
                 self._acking = []
+            if self._acks_failing:
+                self._acks_failing = False
+                log.info("acknowledgements commit again; claiming again")
+                self._hint(*Lane)
+                self._wake.set()
             for (attempt, _), outcome in zip(batch, outcomes, strict=True):
                 if outcome is AckOutcome.APPLIED:
                     self.stats.completed += 1
@@ -1344,14 +1361,25 @@ class Runner:
         for attempt in list(self._attempts.values()):
             if attempt.hard_cancel_at is not None and now >= attempt.hard_cancel_at:
                 self._abandon(attempt)
-        live = [a for a in self._attempts.values() if a.stop_reason is None and not a.acked]
+        # Results waiting for their acknowledgement longer than a heartbeat's period (it keeps
+        # failing) keep their leases too: lapsed, the message would be reclaimed and run again
+        # elsewhere while its result waits here. Acknowledged within the period (as always
+        # when the database answers), they are left alone.
+        every = self.config.heartbeat_every.total_seconds()
+        live = [
+            a
+            for a in self._attempts.values()
+            if a.stop_reason is None and (not a.acked or now - a.acked_at >= every)
+        ]
         if not live:
             return
         results = await self.store.heartbeat_many(
             [a.lease for a in live], extend=self.config.lease, now=None
         )
         for attempt, beat in zip(live, results, strict=True):
-            if beat.outcome is AckOutcome.APPLIED:
+            if beat.outcome is AckOutcome.APPLIED or attempt.acked:
+                # An acknowledged attempt's handler has ended: its acknowledgement reports
+                # what became of it (a lease lost meanwhile makes it late).
                 continue
             reason = {
                 AckOutcome.CANCELLED: AttemptStop.CANCELLED,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -194,6 +194,17 @@ def _enqueue_params(
     }
 
 
+@functools.lru_cache(maxsize=64)
+def _stage_array(served: frozenset[tuple[str, str]]) -> str:
+    """The claim's `served` parameter: an array literal of 'pipeline/stage' ('/' is in no
+    name), built once per set a runner serves rather than dumped on every claim."""
+
+    def quoted(text: str) -> str:
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    return "{" + ",".join(quoted(f"{p}/{s}") for p, s in sorted(served)) + "}"
+
+
 @functools.lru_cache(maxsize=256)
 def _json_text(value: str | None) -> str:
     """A short string (an outcome name) as JSON; a handful of distinct ones, encoded once each."""
@@ -353,6 +364,7 @@ class PgMessageStore:
         blocked_tiers: Sequence[Tier] = (),
         finished: Sequence[LeaseRef] = (),
         backlog: bool = True,
+        served: Collection[tuple[str, str]] | None = None,
     ) -> LaneClaim:
         """Lease up to `limit` messages of one lane, fairly across tenants; stages whose model
         tier is in `blocked_tiers` (no room in the caller's pool) are left for later.
@@ -362,6 +374,9 @@ class PgMessageStore:
 
         `backlog`: whether to look for work left behind (LaneClaim.left_behind). Only a claim
         of the whole lane does; one for a single `tenant` reports False.
+
+        `served`: the (pipeline, stage) pairs the caller has handlers for; other work is left
+        to whoever serves it (and not counted as backlog). None takes any.
         """
         if limit <= 0:
             return LaneClaim([], left_behind=False)
@@ -384,6 +399,7 @@ class PgMessageStore:
             "now": now,
             "finished_ids": "{" + ",".join(str(f.message_id) for f in finished) + "}",
             "finished_tokens": "{" + ",".join(str(f.lease_token) for f in finished) + "}",
+            "served": None if served is None else _stage_array(frozenset(served)),
         }
         async with self.db.system_conn() as conn:
             cur = conn.cursor(row_factory=CLAIM_ROWS)
@@ -655,15 +671,15 @@ class PgMessageStore:
                 _oldest(r["oldest_lease_s"] for r in mine),
                 deferred,
             )
-        stages: dict[str, dict[str, int]] = {}
+        stages: dict[str, dict[str, dict[str, int]]] = {}
         for r in rows:
-            of_stage = stages.setdefault(f"{r['pipeline']}.{r['stage']}", {})
+            of_stage = stages.setdefault(r["pipeline"], {}).setdefault(r["stage"], {})
             of_stage[r["status"]] = of_stage.get(r["status"], 0) + r["n"]
         at = now or (clock["at"] if clock else datetime.now().astimezone())
         return BusStatus(
             at=at,
             lanes=lanes,
             tenants=tenants["n"] if tenants else 0,
-            stages=dict(sorted(stages.items())),
+            stages={p: dict(sorted(of.items())) for p, of in sorted(stages.items())},
             overdue={k: int(v) for k, v in (overdue or {}).items()},
         )

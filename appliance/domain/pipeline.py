@@ -288,6 +288,7 @@ class Registry:
 
     def __init__(self, pipelines: list[Pipeline] | None = None) -> None:
         self._pipelines: dict[str, Pipeline] = {}
+        self._served: frozenset[tuple[str, str]] = frozenset()
         for pipeline in pipelines or []:
             self.add(pipeline)
 
@@ -295,6 +296,12 @@ class Registry:
         if pipeline.name in self._pipelines:
             raise ConfigurationError(f"pipeline {pipeline.name} registered twice")
         self._pipelines[pipeline.name] = pipeline
+        self._served = self._served | {(pipeline.name, s.name) for s in pipeline.stages}
+
+    @property
+    def served(self) -> frozenset[tuple[str, str]]:
+        """Every (pipeline, stage) with a handler here: the only work a runner claims."""
+        return self._served
 
     @property
     def pipelines(self) -> list[Pipeline]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -133,7 +133,9 @@ class BusStatus:
     runners: list[RunnerInfo] = field(default_factory=list)
     reclaims_last_hour: int = 0
     dedup_keys_hit_last_hour: int = 0
-    stages: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Counts by pipeline, stage and status. Nested, not keyed "pipeline.stage": names may
+    # hold dots, and pipeline "a.b" stage "c" is not pipeline "a" stage "b.c".
+    stages: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     # Work past an expiry that maintenance has not moved yet: leases_expired,
     # due_not_promoted, past_deadline, waits_expired (each counted up to 10,000).
     overdue: dict[str, int] = field(default_factory=dict)
@@ -229,6 +231,7 @@ class RunnerStore(MessageStore, Protocol):
         now: datetime | None,
         blocked_tiers: Sequence[Tier] = (),
         finished: Sequence[LeaseRef] = (),
+        served: Collection[tuple[str, str]] | None = None,
     ) -> LaneClaim: ...
 
     async def heartbeat_many(

@@ -4,7 +4,7 @@
 -- table's check), never the status: see the top of messages.sql.
 
 -- name: message_claim_lane :many
--- Lease up to `limit` pending messages of one lane: tenants round-robin (least recently served first, an equal share each), each within its concurrency limit; only work of the tiers in `open_tiers` ('' for work without model calls) (the caller's finished but unacknowledged attempts, `finished_ids`/`finished_tokens`, not counted), checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
+-- Lease up to `limit` pending messages of one lane (of the stages in `served`, 'pipeline/stage' each, when given: NULL takes any): tenants round-robin (least recently served first, an equal share each), each within its concurrency limit; only work of the tiers in `open_tiers` ('' for work without model calls) (the caller's finished but unacknowledged attempts, `finished_ids`/`finished_tokens`, not counted), checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
 WITH nondurable AS MATERIALIZED (
     -- A claim is one round trip: its own implicit transaction, made non-durable here rather
     -- than by a SET LOCAL in a transaction block (which costs three more statements). A server
@@ -51,6 +51,8 @@ eligible AS MATERIALIZED (
               WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
                 AND coalesce(m.tier, '') = o.tier AND m.tenant = r.tenant
                 AND m.not_before <= clock(%(now)s)
+                AND (%(served)s::text[] IS NULL
+                     OR m.pipeline || '/' || m.stage = ANY (%(served)s::text[]))
                 -- As `picked` takes: a tenant whose work is all late (the expirer's) is not
                 -- eligible, or it would take a share, be given nothing, stay least recently
                 -- served, and come first in every claim until the expirer caught up.
@@ -70,6 +72,10 @@ picked AS MATERIALIZED (
     -- goes, skipping rows other claimers hold), merged; a blocked tier's backlog is never read
     -- (migration 0017). Rows beyond the merged share stay locked until this statement ends.
     SELECT c.id, c.tenant, c.rank, s.last_claimed_at, ps.max_runtime
+    -- Of the stages the caller serves (`served`): a runner that serves some pipelines leaves
+    -- the others' work to the runners that serve them, where it used to claim it and fail it
+    -- ("no handler") until dead. A filter, not an index key: such a runner reads past other
+    -- stages' ready work queued ahead of its own (in its lane, tier and tenant).
     FROM shares s
     CROSS JOIN LATERAL (
         SELECT m.id, m.tenant, m.pipeline, m.stage,
@@ -81,6 +87,8 @@ picked AS MATERIALIZED (
             WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
               AND coalesce(m.tier, '') = o.tier AND m.tenant = s.tenant
               AND m.not_before <= clock(%(now)s)
+              AND (%(served)s::text[] IS NULL
+                   OR m.pipeline || '/' || m.stage = ANY (%(served)s::text[]))
               AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
             ORDER BY m.priority DESC, m.not_before, m.id
             LIMIT s.share
@@ -129,6 +137,8 @@ backlog AS (
         SELECT FROM agent_messages m
         WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
           AND coalesce(m.tier, '') = o.tier AND m.not_before <= clock(%(now)s)
+          AND (%(served)s::text[] IS NULL
+               OR m.pipeline || '/' || m.stage = ANY (%(served)s::text[]))
           -- What `picked` could take: not late work (the expirer's) or work of a blocked
           -- tier (a runner without a pool would otherwise ask again after every message).
           AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))

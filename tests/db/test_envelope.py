@@ -520,13 +520,18 @@ async def test_status_counts_and_ages(bus: Bus) -> None:
     # Two stages pending in one lane: counted together, the older one's age is the lane's.
     assert st.lanes[Lane.INTERACTIVE].counts[MessageStatus.PENDING] == 2
     assert st.lanes[Lane.INTERACTIVE].oldest_pending_age_s == pytest.approx(100)
-    assert st.stages == {
-        "demo.intake": {"pending": 1, "running": 1},
-        "demo.other": {"pending": 1},
-    }
+    assert st.stages == {"demo": {"intake": {"pending": 1, "running": 1}, "other": {"pending": 1}}}
     assert st.lanes[Lane.BATCH].counts[MessageStatus.RUNNING] == 1
     assert st.lanes[Lane.BATCH].oldest_running_lease_age_s == pytest.approx(60)
     assert st.tenants == 2
+
+
+async def test_status_keeps_dotted_pipeline_and_stage_names_apart(bus: Bus) -> None:
+    await bus.enqueue_many(
+        [req(bus, "1", pipeline="a.b", stage="c"), req(bus, "2", pipeline="a", stage="b.c")]
+    )
+    st = await bus.status()
+    assert st.stages == {"a": {"b.c": {"pending": 1}}, "a.b": {"c": {"pending": 1}}}
 
 
 async def test_status_names_work_past_an_expiry_that_maintenance_has_not_moved(

@@ -305,16 +305,29 @@ async def test_a_handler_that_ends_when_cancelled_is_not_counted_as_abandoned(ru
     assert runner.stats.abandoned == 0 and runner.abandoned_tasks() == []
 
 
-async def test_unknown_stage_fails_with_its_name(running) -> None:
-    bus, _, _ = running
-    r = await bus.enqueue(**{**request(bus, "quick"), "stage": "nowhere"})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        got = await bus.get("acme", r.id)
-        if got is not None and got.error:
-            break
-        await asyncio.sleep(0.05)
-    assert got is not None and "no handler registered for quick.nowhere" in (got.error or "")
+async def test_work_this_runner_does_not_serve_waits_untouched_for_one_that_does(
+    running,
+) -> None:
+    bus, store, _ = running
+    # Another pipeline, and a stage that a pipeline this runner serves does not have (a
+    # newer version's): claimed before, failed "no handler" and dead after its attempts.
+    elsewhere = await bus.enqueue(**request(bus, "elsewhere"))
+    newer = await bus.enqueue(**{**request(bus, "quick"), "stage": "newer"})
+    mine = await bus.enqueue(**request(bus, "quick", sid="2"))
+    await wait_status(bus, mine.id, MessageStatus.DONE)
+    await asyncio.sleep(0.5)  # claims after it: a doorbell, the claim-ahead, a re-ask
+    for mid in (elsewhere.id, newer.id):
+        got = await bus.get("acme", mid)
+        assert got is not None and got.status is MessageStatus.PENDING
+        assert got.attempts == 0 and got.error is None
+    other = [
+        Pipeline("elsewhere", (Stage("run", quick),)),
+        Pipeline("quick", (Stage("run", quick), Stage("newer", quick))),
+    ]
+    config = RunnerConfig(worker_id="other", concurrency=4, poll_interval=timedelta(seconds=5))
+    async with serving(store, other, config, None):
+        await wait_status(bus, elsewhere.id, MessageStatus.DONE)
+        await wait_status(bus, newer.id, MessageStatus.DONE)
 
 
 async def test_status_shows_the_runner_and_its_listener(running) -> None:
@@ -327,7 +340,7 @@ async def test_status_shows_the_runner_and_its_listener(running) -> None:
     assert me.alive and me.listener_connected and me.completed >= 1
     # Everything was announced by the doorbell: no poll found work it had missed.
     assert me.missed_wakeups == 0 and me.last_missed_wakeup_age_s is None
-    assert st.stages["quick.run"] == {"done": 1}
+    assert st.stages["quick"]["run"] == {"done": 1}
 
 
 gate = asyncio.Event()
@@ -1104,3 +1117,61 @@ async def test_a_runner_whose_clock_runs_ahead_of_the_database_still_runs_its_cl
             for mid in ids:
                 await wait_status(bus, mid, MessageStatus.DONE)
             assert runner.stats.completed == 6
+
+
+class RefusedAcks(PgRunnerStore):
+    """The product's store whose acknowledgements fail while `refusing` (a database that takes
+    claims but not results: a lock held on a table the completion writes, a full disk)."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.refusing = False
+        self.refused = 0
+        self.first_refusal = asyncio.Event()
+        self.claims_after_refusal = 0
+
+    async def complete(self, completions: Any, **kw: Any) -> Any:
+        if self.refusing:
+            self.refused += 1
+            self.first_refusal.set()
+            raise psycopg.OperationalError("acknowledgement refused (test)")
+        return await super().complete(completions, **kw)
+
+    async def claim_lane(self, **kw: Any) -> LaneClaim:
+        if self.refused:
+            self.claims_after_refusal += 1
+        return await super().claim_lane(**kw)
+
+
+async def test_no_claims_while_results_cannot_be_stored_and_their_leases_are_kept(
+    fresh_db: Endpoints,
+) -> None:
+    pipes = [Pipeline("quick", (Stage("run", quick),))]
+    config = RunnerConfig(
+        worker_id="acks",
+        concurrency=4,
+        lease=timedelta(seconds=1.5),
+        poll_interval=timedelta(seconds=1),
+    )
+    async with opened_as(fresh_db, pipes, RefusedAcks) as store:
+        bus = Bus(store)
+        store.refusing = True
+        async with serving(store, pipes, config, PgDoorbell(fresh_db.system)) as runner:
+            first = await bus.enqueue(**request(bus, "quick"))
+            await asyncio.wait_for(store.first_refusal.wait(), 10)
+            claims = store.claims_after_refusal
+            later = [(await bus.enqueue(**request(bus, "quick", sid=f"l{i}"))).id for i in range(5)]
+            # Two leases' time: the doorbell rang, the fallback poll fired, the result waited.
+            await asyncio.sleep(3.0)
+            assert store.claims_after_refusal == claims
+            for mid in later:
+                got = await bus.get("acme", mid)
+                assert got is not None and got.status is MessageStatus.PENDING
+            # The waiting result's lease was kept alive: nothing to reclaim, no re-run.
+            assert await bus.reclaim_due() == []
+            store.refusing = False
+            for mid in [first.id, *later]:
+                await wait_status(bus, mid, MessageStatus.DONE)
+            assert runner.stats.late_acks == 0
+            got = await bus.get("acme", first.id)
+            assert got is not None and got.attempts == 1
