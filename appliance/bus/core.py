@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,6 +22,7 @@ from appliance.domain.envelope import (
     Message,
     bytes_over,
     check_free_text,
+    encode_json,
     lease_duration_ok,
     parse_lane,
 )
@@ -161,7 +162,7 @@ class Bus:
         now: datetime | None = None,
     ) -> AckOutcome:
         """Finish a message under its lease; a stale lease changes nothing (STALE)."""
-        (outcome,) = await self.store.complete([Completion(lease, result)], actor=actor, now=now)
+        (outcome,) = await self.complete_many([Completion(lease, result)], actor=actor, now=now)
         return outcome
 
     async def complete_many(
@@ -171,8 +172,29 @@ class Bus:
         actor: str = "worker",
         now: datetime | None = None,
     ) -> list[AckOutcome]:
-        """Batched acknowledgements: one statement, one flush."""
-        return await self.store.complete(completions, actor=actor, now=now)
+        """Batched acknowledgements: one statement, one flush. A result over the context limit
+        refuses the batch (InvalidInput, nothing written)."""
+        return await self.store.complete(self._held_to_limit(completions), actor=actor, now=now)
+
+    def _held_to_limit(self, completions: Sequence[Completion]) -> list[Completion]:
+        """The completions with their results encoded (once), each held to the context limit:
+        a result becomes the next stage's context, as the runner holds its handlers' results."""
+        limit = self.config.context_max_bytes
+        checked: list[Completion] = []
+        for c in completions:
+            if c.result is None and c.result_json is None:
+                checked.append(c)  # the common no-op result: nothing to encode or measure
+                continue
+            text = c.result_json if c.result_json is not None else encode_json(c.result, "result")
+            size = bytes_over(text, limit)
+            if size is not None:
+                raise InvalidInput(
+                    "result",
+                    f"of message {c.lease.message_id} is {size} bytes, over the limit of "
+                    f"{limit} bytes (a result becomes the next stage's context)",
+                )
+            checked.append(c if c.result_json is not None else replace(c, result_json=text))
+        return checked
 
     async def fail(
         self,

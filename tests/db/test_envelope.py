@@ -701,3 +701,24 @@ async def test_a_request_never_carries_more_context_than_the_bus_allows(db: Data
     )  # fmt: skip
     with pytest.raises(InvalidInput, match="context: of request 0 is 4008 bytes"):
         await bus.enqueue_many([roomy])
+
+
+async def test_a_result_over_the_context_limit_is_refused_before_anything_is_written(
+    store: PgMessageStore, tenants
+) -> None:
+    # A result becomes the next stage's context: held to the same limit through the Bus API
+    # as through the runner, not stored and handed off past it.
+    await tenants.add("acme")
+    bus = Bus(store, BusConfig(context_max_bytes=2048))
+    await bus.enqueue_many([req(bus, "1"), req(bus, "2")])
+    first, second = await bus.claim("w", limit=2)
+    with pytest.raises(InvalidInput, match=f"result: of message {second.id} is 4008 bytes"):
+        await bus.complete_many(
+            [Completion(first.lease, {"ok": 1}), Completion(second.lease, {"b": "x" * 4000})]
+        )
+    # Nothing of the batch was written; the first's result alone is taken.
+    got = await bus.get("acme", first.id)
+    assert got is not None and got.status is MessageStatus.RUNNING
+    assert await bus.complete(first.lease, {"ok": 1}) is AckOutcome.APPLIED
+    got = await bus.get("acme", first.id)
+    assert got is not None and got.result == {"ok": 1}
