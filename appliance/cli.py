@@ -23,7 +23,14 @@ from appliance import cli_models, cli_spend
 from appliance.db.database import DATABASE_ERRORS, check_server, client_command, error_text
 from appliance.db.migrate import migrate
 from appliance.db.schema_dump import dump_schema
-from appliance.domain.envelope import WAITING, Lane, MessageStatus, check_name, decode_context
+from appliance.domain.envelope import (
+    WAITING,
+    Lane,
+    MessageStatus,
+    check_name,
+    decode_context,
+    differences,
+)
 from appliance.domain.errors import (
     ApplianceError,
     ConfigurationError,
@@ -208,7 +215,16 @@ async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
                 f" (one of: {', '.join(stages)})",
             )
         (result,) = await svc.bus.enqueue_many([request])
+        stored = None if result.new else await svc.bus.get(args.tenant, result.id)
     print(f"{result.id} {'new' if result.new else 'duplicate'}")
+    if stored is not None and (changed := differences(request, stored)):
+        # The same key with other content is usually a mistake (a reused source id): say
+        # what was not taken, on stderr, so that scripts reading the id are unaffected.
+        print(
+            f"note: message {result.id} already exists with this key and differs from this"
+            f" request in: {', '.join(changed)} (a duplicate changes nothing)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -523,6 +523,31 @@ class Message:
         return LeaseRef(self.id, self.lease_token)
 
 
+def differences(request: EnqueueRequest, stored: Message) -> list[str]:
+    """The fields in which a request that came back a duplicate differs from the message its
+    key already names (what the caller asked for but did not get: a duplicate changes nothing).
+    Fields the request left to the stage's defaults are not compared."""
+    asked: list[tuple[str, object, object]] = [
+        ("pipeline", request.pipeline, stored.pipeline),
+        ("stage", request.stage, stored.stage),
+        ("source", request.source, stored.source),
+        ("source_id", request.source_id, stored.source_id),
+        ("directive", request.directive, stored.directive),
+        ("context", json.loads(request.context_json), stored.context),
+        ("priority", request.priority, stored.priority),
+        ("from_agent", request.from_agent, stored.from_agent),
+        ("to_agent", request.to_agent, stored.to_agent),
+        ("deadline", request.deadline, stored.deadline),
+    ]
+    if request.lane is not None:
+        asked.append(("lane", request.lane, stored.lane))
+    if request.max_attempts is not None:
+        asked.append(("max_attempts", request.max_attempts, stored.max_attempts))
+    if request.not_before is not None:
+        asked.append(("not_before", request.not_before, stored.not_before))
+    return [name for name, wanted, kept in asked if wanted != kept]
+
+
 def lease_duration_ok(lease: timedelta) -> timedelta:
     """Refuse leases under a second (cannot be heartbeated) or over a day (they hide loss)."""
     if not timedelta(seconds=1) <= lease <= timedelta(days=1):

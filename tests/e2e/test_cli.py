@@ -44,8 +44,15 @@ def test_submit_twice_prints_same_id_new_then_duplicate(env: dict[str, str]) -> 
         "--context", '{"ticket": 42}',
     ]  # fmt: skip
     first = run(env, *args).stdout.split()
-    second = run(env, *args).stdout.split()
+    again = run(env, *args)
+    second = again.stdout.split()
     assert first[1] == "new" and second[1] == "duplicate" and first[0] == second[0]
+    assert again.stderr == ""  # the same request: nothing to say
+    # The same key with other content: still a duplicate, and told what was not taken.
+    other = [*args[:-4], "--directive", "other", "--context", '{"ticket": 43}']
+    changed = run(env, *other)
+    assert changed.stdout.split() == [first[0], "duplicate"]
+    assert "differs from this request in: directive, context" in changed.stderr
     status = json.loads(run(env, "status", "--json").stdout)
     assert status["lanes"]["interactive"]["pending"] == 1
     assert status["lanes"]["batch"]["pending"] == 0

@@ -16,8 +16,10 @@ from appliance.domain.envelope import (
     TERMINAL,
     EnqueueRequest,
     Lane,
+    Message,
     MessageStatus,
     decode_context,
+    differences,
     encode_json,
     idempotency_key,
     parse_lane,
@@ -271,3 +273,27 @@ def test_the_text_of_a_nul_escape_is_not_a_nul() -> None:
     for bad in ("\x00", "\\\x00", {"k": ["\\\\\x00"]}):
         with pytest.raises(InvalidInput, match="NUL"):
             encode_json(bad, "context")
+
+
+def test_a_duplicate_names_what_it_asked_for_differently() -> None:
+    at = datetime(2026, 11, 1, tzinfo=UTC)
+    asked = EnqueueRequest.build(
+        tenant="acme", pipeline="p", stage="s", source="src", source_id="1", directive="d",
+        context={"n": 1.0, "k": [1, 2]},
+    )  # fmt: skip
+    stored = Message(
+        id=1, tenant="acme", pipeline="p", stage="s", source="src", source_id="1",
+        idempotency_key=asked.idempotency_key, directive="d", context={"k": [1, 2], "n": 1},
+        from_agent=None, to_agent=None, lane=Lane.BATCH, priority=0,
+        status=MessageStatus.DONE, attempts=1, max_attempts=3, not_before=at, deadline=None,
+        lease_token=None, lease_expires_at=None, result=None, error=None, created_at=at,
+        updated_at=at,
+    )  # fmt: skip
+    # The same content (keys in another order, 1.0 as jsonb keeps it); lane, attempts and
+    # not-before left to the stage's defaults are not compared.
+    assert differences(asked, stored) == []
+    other = EnqueueRequest.build(
+        tenant="acme", pipeline="p", stage="s", source="src", source_id="1", directive="e",
+        context={"n": 2}, lane="interactive", priority=3, max_attempts=3,
+    )  # fmt: skip
+    assert differences(other, stored) == ["directive", "context", "priority", "lane"]
