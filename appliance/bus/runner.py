@@ -190,6 +190,9 @@ class _Attempt:
     stop_reason: str | None = None
     hard_cancel_at: float | None = None
     acked: bool = False
+    # The runner is writing its end itself (failed, parked, deferred, held, ended): a
+    # heartbeat that finds its lease gone meanwhile has found that write, not a lost lease.
+    settling: bool = False
     acked_at: float = 0.0  # monotonic, when its result was queued for acknowledgement
     slot_free: bool = False
     started: float = 0.0  # monotonic, when it took its slot
@@ -696,18 +699,17 @@ class Runner:
         """Start `lane`'s claimed-ahead messages into its free slots."""
         if self._stopping:
             return
-        n = min(self._ahead.held(lane), self.slots.free(lane))
-        if n <= 0:
-            return
+        free = self.slots.free(lane)
         late: list[Message] = []
         now = asyncio.get_running_loop().time()
-        for _ in range(n):  # each start takes one free slot
-            held = self._ahead.pop(lane)
-            assert held is not None
+        while free > 0 and (held := self._ahead.pop(lane)) is not None:
             if held.due <= now:
-                late.append(held.message)  # its time to start is over: it goes back
+                # Its time to start is over: it goes back, and its place goes to the next
+                # held one (a slot left empty would wait for the give-back's wake-up).
+                late.append(held.message)
             else:
-                self._start(held.message)
+                self._start(held.message)  # each start takes one free slot
+                free -= 1
         self._spawn_give_back(late)
 
     def _arm_give_back(self) -> None:
@@ -1115,6 +1117,7 @@ class Runner:
     async def _hold_budget(self, attempt: _Attempt, reason: str) -> None:
         if self.governor is None:
             return
+        attempt.settling = True
         try:
             held = await self.governor.spend.hold_budget(
                 attempt.lease,
@@ -1129,6 +1132,7 @@ class Runner:
             log.exception("could not hold message %s for budget", attempt.message.id)
 
     async def _defer(self, attempt: _Attempt, reason: str) -> None:
+        attempt.settling = True
         # Jittered, so deferred messages do not come back in step.
         delay = self.config.budget_busy_delay * self.rng.uniform(1.0, 2.0)
         try:
@@ -1141,6 +1145,7 @@ class Runner:
             log.exception("could not defer message %s", attempt.message.id)
 
     async def _terminate(self, attempt: _Attempt, reason: str) -> None:
+        attempt.settling = True
         try:
             if await self.store.terminate(
                 attempt.lease, reason=reason, actor=self.config.worker_id, now=None
@@ -1150,6 +1155,7 @@ class Runner:
             log.exception("could not end message %s (%s)", attempt.message.id, reason)
 
     async def _park(self, attempt: _Attempt, kind: str, tier: Tier) -> None:
+        attempt.settling = True
         now = self.clock()
         expires = now + self.config.capability_wait
         try:
@@ -1204,6 +1210,7 @@ class Runner:
                 return
 
     async def _overran(self, attempt: _Attempt) -> None:
+        attempt.settling = True
         message = attempt.message
         now = self.clock()
         if message.deadline is not None and now >= message.deadline:
@@ -1215,6 +1222,7 @@ class Runner:
         await self._fail(attempt, "exceeded the stage's maximum runtime")
 
     async def _fail(self, attempt: _Attempt, error: str) -> None:
+        attempt.settling = True
         try:
             delay = self.retry.delay(attempt.message.attempts, self.rng)
             outcome = await self.store.fail(
@@ -1369,7 +1377,9 @@ class Runner:
         live = [
             a
             for a in self._attempts.values()
-            if a.stop_reason is None and (not a.acked or now - a.acked_at >= every)
+            if a.stop_reason is None
+            and not a.settling
+            and (not a.acked or now - a.acked_at >= every)
         ]
         if not live:
             return
@@ -1377,9 +1387,10 @@ class Runner:
             [a.lease for a in live], extend=self.config.lease, now=None
         )
         for attempt, beat in zip(live, results, strict=True):
-            if beat.outcome is AckOutcome.APPLIED or attempt.acked:
+            if beat.outcome is AckOutcome.APPLIED or attempt.acked or attempt.settling:
                 # An acknowledged attempt's handler has ended: its acknowledgement reports
-                # what became of it (a lease lost meanwhile makes it late).
+                # what became of it (a lease lost meanwhile makes it late). One that began its
+                # own end while the heartbeat was out was found by it, not lost.
                 continue
             reason = {
                 AckOutcome.CANCELLED: AttemptStop.CANCELLED,

@@ -1175,3 +1175,80 @@ async def test_no_claims_while_results_cannot_be_stored_and_their_leases_are_kep
             assert runner.stats.late_acks == 0
             got = await bus.get("acme", first.id)
             assert got is not None and got.attempts == 1
+
+
+async def test_held_work_past_its_start_time_gives_its_slot_to_the_next_held(
+    fresh_db: Endpoints,
+) -> None:
+    """Claimed-ahead messages whose time to start is over go back; the free slots go to the
+    held messages behind them at once, not after the give-back's wake-up."""
+    pipes = [Pipeline("patient", (Stage("run", patient),))]
+    config = RunnerConfig(worker_id="held", concurrency=4, poll_interval=timedelta(seconds=60))
+    async with opened(fresh_db, pipes) as store:
+        bus = Bus(store)
+        await bus.enqueue_many([bus.request(**request(bus, "patient", str(i))) for i in range(4)])
+        claimed = await bus.claim("held", limit=4)
+        runner = Runner(store, Registry(pipes), config, doorbell=None)
+        now = asyncio.get_running_loop().time()
+        late, fresh = claimed[:2], claimed[2:]
+        for m in late:
+            runner._ahead.hold(m, now - 1)
+        for m in fresh:
+            runner._ahead.hold(m, now + 60)
+        runner.slots.take(Lane.INTERACTIVE, runner.slots.free(Lane.INTERACTIVE) - 2)
+        runner._start_held(Lane.INTERACTIVE)
+        try:
+            assert sorted(a.message.id for a in runner._attempts.values()) == sorted(
+                m.id for m in fresh
+            )
+            await asyncio.wait(list(runner._giving_back), timeout=10)
+            for m in late:
+                got = await bus.get("acme", m.id)
+                assert got is not None and got.status is MessageStatus.PENDING
+        finally:
+            for a in runner._attempts.values():
+                if a.task is not None:
+                    a.task.cancel()
+            await asyncio.gather(
+                *(a.task for a in runner._attempts.values() if a.task is not None),
+                return_exceptions=True,
+            )
+
+
+class _WriteBeforeBeat(PgRunnerStore):
+    """The store, running `before` (the runner's own write) as a heartbeat goes out."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.before: Any = None
+
+    async def heartbeat_many(self, leases: Any, **kw: Any) -> Any:
+        if self.before is not None:
+            await self.before()
+        return await super().heartbeat_many(leases, **kw)
+
+
+async def test_a_heartbeat_that_finds_the_runners_own_write_does_not_call_the_lease_lost(
+    fresh_db: Endpoints,
+) -> None:
+    pipes = [Pipeline("patient", (Stage("run", patient),))]
+    config = RunnerConfig(worker_id="own", concurrency=4, poll_interval=timedelta(seconds=60))
+    async with opened_as(fresh_db, pipes, _WriteBeforeBeat) as store:
+        bus = Bus(store)
+        await bus.enqueue(**request(bus, "patient"))
+        (message,) = await bus.claim("own", limit=1)
+        runner = Runner(store, Registry(pipes), config, doorbell=None)
+        runner._start(message)
+        (attempt,) = runner._attempts.values()
+        # The runner fails the attempt itself (as for an overrun) while the heartbeat is out.
+        store.before = lambda: runner._fail(attempt, "its own end")
+        try:
+            await runner._heartbeat_once()
+            assert attempt.stop_reason is None
+            assert not attempt.cancelled.is_set()
+            got = await bus.get("acme", message.id)
+            assert got is not None and got.error == "its own end"
+        finally:
+            assert attempt.task is not None
+            attempt.task.cancel()
+            await asyncio.gather(attempt.task, return_exceptions=True)
