@@ -342,6 +342,19 @@ $$;
 ALTER FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) OWNER TO appliance_owner;
 
 --
+-- Name: claimable(timestamp with time zone, text, text, text[], timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone) RETURNS boolean
+    LANGUAGE sql STABLE PARALLEL SAFE
+    AS $$
+    SELECT (p_deadline IS NULL OR p_deadline > clock(p_now))
+       AND (p_served IS NULL OR p_pipeline || '/' || p_stage = ANY (p_served))
+$$;
+
+ALTER FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
 -- Name: clock(timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -813,13 +826,23 @@ ALTER FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth doub
 
 CREATE FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) RETURNS void
     LANGUAGE sql
-    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
+    SET search_path TO 'appliance', 'pg_catalog'
     AS $$
     UPDATE run_budgets r
     SET used = (SELECT jsonb_object_agg(k, greatest(0, coalesce((r.used ->> k)::numeric, 0)
                                                    + coalesce((p_delta ->> k)::numeric, 0)))
                 FROM (SELECT jsonb_object_keys(r.used) AS k) AS keys)
+    WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id;
+    -- A second statement of the function: it sees the use just booked.
+    UPDATE run_budgets r
+    SET exhausted = (SELECT min(k) FROM jsonb_object_keys(r.used) AS k
+                     WHERE r.limits ? k
+                       AND (r.used ->> k)::numeric > (r.limits ->> k)::numeric)
     WHERE tenant = p_tenant AND source = p_source AND source_id = p_source_id
+      AND r.exhausted IS NULL
+      AND EXISTS (SELECT FROM jsonb_object_keys(r.used) AS k
+                  WHERE r.limits ? k
+                    AND (r.used ->> k)::numeric > (r.limits ->> k)::numeric);
 $$;
 
 ALTER FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) OWNER TO appliance_owner;
@@ -2504,6 +2527,13 @@ GRANT USAGE ON SCHEMA appliance TO appliance_system;
 
 REVOKE ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone) TO appliance_app;
+GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone) TO appliance_system;
 
 --
 -- Name: FUNCTION clock(p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -51,12 +51,10 @@ eligible AS MATERIALIZED (
               WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
                 AND coalesce(m.tier, '') = o.tier AND m.tenant = r.tenant
                 AND m.not_before <= clock(%(now)s)
-                AND (%(served)s::text[] IS NULL
-                     OR m.pipeline || '/' || m.stage = ANY (%(served)s::text[]))
-                -- As `picked` takes: a tenant whose work is all late (the expirer's) is not
-                -- eligible, or it would take a share, be given nothing, stay least recently
-                -- served, and come first in every claim until the expirer caught up.
-                AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
+                -- As `picked` takes: a tenant whose work is all late (the expirer's) or of
+                -- stages the caller does not serve is not eligible, or it would take a share,
+                -- be given nothing, stay least recently served, and come first in every claim.
+                AND claimable(m.deadline, m.pipeline, m.stage, %(served)s, %(now)s)
               ORDER BY m.priority DESC, m.not_before, m.id LIMIT 1 OFFSET 0
           ) AS x)
     ORDER BY r.last_claimed_at NULLS FIRST, r.tenant
@@ -87,9 +85,8 @@ picked AS MATERIALIZED (
             WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
               AND coalesce(m.tier, '') = o.tier AND m.tenant = s.tenant
               AND m.not_before <= clock(%(now)s)
-              AND (%(served)s::text[] IS NULL
-                   OR m.pipeline || '/' || m.stage = ANY (%(served)s::text[]))
-              AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
+              -- Not late, and of a stage the caller serves (migration 0034).
+              AND claimable(m.deadline, m.pipeline, m.stage, %(served)s, %(now)s)
             ORDER BY m.priority DESC, m.not_before, m.id
             LIMIT s.share
             FOR UPDATE OF m SKIP LOCKED
@@ -137,11 +134,10 @@ backlog AS (
         SELECT FROM agent_messages m
         WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
           AND coalesce(m.tier, '') = o.tier AND m.not_before <= clock(%(now)s)
-          AND (%(served)s::text[] IS NULL
-               OR m.pipeline || '/' || m.stage = ANY (%(served)s::text[]))
-          -- What `picked` could take: not late work (the expirer's) or work of a blocked
-          -- tier (a runner without a pool would otherwise ask again after every message).
-          AND (m.deadline IS NULL OR m.deadline > clock(%(now)s))
+          -- What `picked` could take: not late work (the expirer's), work of a blocked tier
+          -- or of a stage the caller does not serve (a runner would otherwise ask again
+          -- after every message).
+          AND claimable(m.deadline, m.pipeline, m.stage, %(served)s, %(now)s)
         -- The pending index's order: read from the index, never a heap scan through history.
         ORDER BY m.lane, coalesce(m.tier, ''), m.tenant, m.priority DESC, m.not_before, m.id
         LIMIT %(backlog_limit)s

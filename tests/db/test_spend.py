@@ -362,6 +362,26 @@ async def test_wall_time_and_giving_back_unused_reservations(spend: PgSpendStore
     assert await run_reserve(spend, {"steps": 1}, now=start + timedelta(minutes=6)) == "wall_time"
 
 
+async def test_a_call_that_used_more_than_it_reserved_exhausts_the_run_at_once(
+    spend: PgSpendStore,
+) -> None:
+    assert await run_reserve(spend, {"tokens": 700}) is None
+    # Booked at its real use: 950 of 1,000 is over the ordinary share, not over the limit
+    # (a verification stage may still use the reserve).
+    await spend.run_adjust(tenant="acme", source="t", source_id="r1", delta={"tokens": 250})
+    budget = await spend.run_budget("acme", "t", "r1")
+    assert budget is not None and budget["exhausted"] is None
+    # Past the limit: exhausted now, not at the run's next reservation (it may have none).
+    await spend.run_adjust(tenant="acme", source="t", source_id="r1", delta={"tokens": 100})
+    budget = await spend.run_budget("acme", "t", "r1")
+    assert budget is not None and budget["exhausted"] == "tokens"
+    assert budget["used"]["tokens"] == 1050
+    # Sticky, as a refused reservation's mark is: use given back later does not clear it.
+    await spend.run_adjust(tenant="acme", source="t", source_id="r1", delta={"tokens": -1000})
+    budget = await spend.run_budget("acme", "t", "r1")
+    assert budget is not None and budget["exhausted"] == "tokens"
+
+
 async def test_a_refusal_found_by_the_check_is_recorded_without_reserving(
     spend: PgSpendStore,
 ) -> None:
