@@ -304,6 +304,9 @@ class Runner:
         self._resume_task: asyncio.Task[None] | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
         self._resume_again = False
+        # The tiers whose waiting work could resume when the pool last said it changed: a
+        # resume is asked for when one comes up, not after every model call.
+        self._resumable_seen: frozenset[Tier] = frozenset()
         self.started_at = self.clock()
         if inference is not None:
             inference.subscribe(self._inference_changed)
@@ -1173,14 +1176,35 @@ class Runner:
             return
         if parked:
             self.stats.parked += 1
-            # The tier may have come back while we parked: look again.
+            # The tier may have come back while we parked (its change seen before this park
+            # committed): look again.
             if self.inference is not None and tier in resumable(self.inference.available()):
-                self._inference_changed()
+                self._hint(*Lane)
+                self._wake.set()
+                self._resume_soon()
 
     def _inference_changed(self) -> None:
-        """The pool's availability or room changed: resume waiting work, ask every lane."""
+        """The pool's availability or room changed (a model call ended, a tier came up or
+        went down). A tier that came up: waiting work resumes and every lane is asked. Room
+        only: the lanes whose claims left model work behind for want of it are asked again
+        (without a resume statement and an empty claim per lane after every model call)."""
+        if self._short_of_model:
+            self._hint(*self._short_of_model)
+            self._short_of_model.clear()
+            self._wake.set()
+        if self.inference is None:
+            return
+        now = resumable(self.inference.available())
+        came_up = now - self._resumable_seen
+        self._resumable_seen = now
+        if not came_up:
+            return
         self._hint(*Lane)
         self._wake.set()
+        self._resume_soon()
+
+    def _resume_soon(self) -> None:
+        """Resume work waiting for a tier that is up, in a task of its own (one at a time)."""
         if self._stopping:
             return  # the pools are closing; the next runner resumes what waits
         if self._resume_task is None or self._resume_task.done():

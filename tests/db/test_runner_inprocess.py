@@ -25,6 +25,7 @@ from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.envelope import EnqueueRequest, Lane, MessageStatus
 from appliance.domain.errors import InvalidInput
+from appliance.domain.inference import Tier
 from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
 from appliance.domain.ports import LaneClaim
 from appliance.domain.retry import RetryPolicy
@@ -1252,3 +1253,65 @@ async def test_a_heartbeat_that_finds_the_runners_own_write_does_not_call_the_le
             assert attempt.task is not None
             attempt.task.cancel()
             await asyncio.gather(attempt.task, return_exceptions=True)
+
+
+class _Tiers:
+    """An inference service as far as the runner's change handling reads it: which tiers are
+    up (the pool itself is tested with the real model in tests/inference)."""
+
+    def __init__(self) -> None:
+        self.up: set[Tier] = set()
+        self.subscribers: list[Any] = []
+
+    def subscribe(self, callback: Any) -> None:
+        self.subscribers.append(callback)
+
+    def available(self) -> frozenset[Tier]:
+        return frozenset(self.up)
+
+    def changed(self) -> None:
+        for callback in self.subscribers:
+            callback()
+
+
+class _Resumes(PgRunnerStore):
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.resumes = 0
+
+    async def resume_capability(self, *a: Any, **kw: Any) -> int:
+        self.resumes += 1
+        return await super().resume_capability(*a, **kw)
+
+
+async def test_waiting_work_is_resumed_when_a_tier_comes_up_not_after_every_model_call(
+    fresh_db: Endpoints,
+) -> None:
+    pipes = [Pipeline("quick", (Stage("run", quick),))]
+    config = RunnerConfig(worker_id="tiers", concurrency=4, poll_interval=timedelta(seconds=60))
+    tiers = _Tiers()
+    async with opened_as(fresh_db, pipes, _Resumes) as store:
+        runner = Runner(store, Registry(pipes), config, doorbell=None, inference=tiers)  # type: ignore[arg-type]
+
+        async def settled() -> None:
+            if runner._resume_task is not None:
+                await runner._resume_task
+
+        tiers.up.add(Tier.MECHANICAL)
+        tiers.changed()  # the tier came up: one resume
+        await settled()
+        assert store.resumes == 1
+        for _ in range(5):
+            tiers.changed()  # model calls ending: room, not availability
+            await settled()
+        assert store.resumes == 1
+        tiers.up.add(Tier.REASONING)
+        tiers.changed()  # another tier up: work waiting for it resumes
+        await settled()
+        assert store.resumes == 2
+        tiers.up.clear()
+        tiers.changed()
+        tiers.up.add(Tier.MECHANICAL)
+        tiers.changed()  # down and up again
+        await settled()
+        assert store.resumes == 3
