@@ -826,7 +826,7 @@ ALTER FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_growth doub
 
 CREATE FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) RETURNS void
     LANGUAGE sql
-    SET search_path TO 'appliance', 'pg_catalog'
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
     UPDATE run_budgets r
     SET used = (SELECT jsonb_object_agg(k, greatest(0, coalesce((r.used ->> k)::numeric, 0)

@@ -11,7 +11,7 @@
 CREATE OR REPLACE FUNCTION run_budget_adjust(
     p_tenant text, p_source text, p_source_id text, p_delta jsonb
 ) RETURNS void
-    LANGUAGE sql SET search_path = appliance, pg_catalog AS $$
+    LANGUAGE sql SET search_path TO 'appliance', 'pg_catalog', 'pg_temp' AS $$
     UPDATE run_budgets r
     SET used = (SELECT jsonb_object_agg(k, greatest(0, coalesce((r.used ->> k)::numeric, 0)
                                                    + coalesce((p_delta ->> k)::numeric, 0)))
