@@ -307,6 +307,9 @@ class Runner:
         # The tiers whose waiting work could resume when the pool last said it changed: a
         # resume is asked for when one comes up, not after every model call.
         self._resumable_seen: frozenset[Tier] = frozenset()
+        # Counts every change of the pool's room (a model attempt freed its place, the pool
+        # changed): a claim that came back short of model room while it moved asks again.
+        self._model_room_moves = 0
         self.started_at = self.clock()
         if inference is not None:
             inference.subscribe(self._inference_changed)
@@ -545,6 +548,7 @@ class Runner:
             # A claim may return model work of any open tier: never more than it can queue.
             asked = max(1, min(asked, model_room))
         hints = self._hints[lane]
+        room_moves = self._model_room_moves
         began = time.monotonic()
         try:
             found = await self.store.claim_lane(
@@ -575,7 +579,13 @@ class Runner:
         self._left_behind[lane] = found.left_behind
         if blocked and self.inference is not None and len(messages) < asked:
             # The backlog it reports leaves blocked tiers out: their work may wait here.
-            self._short_of_model.add(lane)
+            if self._model_room_moves != room_moves:
+                # Room came while the claim was out (its blocked tiers were read before): what
+                # frees room has been and gone, so ask again now.
+                self._hint(lane)
+                self._wake.set()
+            else:
+                self._short_of_model.add(lane)
         if messages:
             # A claim that got all it asked for: a backlog, results arriving claim after claim.
             self._claims_full = len(messages) >= asked
@@ -1188,6 +1198,7 @@ class Runner:
         went down). A tier that came up: waiting work resumes and every lane is asked. Room
         only: the lanes whose claims left model work behind for want of it are asked again
         (without a resume statement and an empty claim per lane after every model call)."""
+        self._model_room_moves += 1
         if self._short_of_model:
             self._hint(*self._short_of_model)
             self._short_of_model.clear()
@@ -1279,6 +1290,8 @@ class Runner:
             # that rang while all slots were busy). A lane whose last claim came back short is
             # not asked again here: if its tenants were at their limit, the database still
             # counts this attempt until its outcome commits, and _finish asks again then.
+            if attempt.tier is not None:
+                self._model_room_moves += 1
             if attempt.tier is not None and self._short_of_model:
                 # Model work a claim left for want of room in the pool: room now (this
                 # attempt's place), and nothing else (doorbell, backlog) would ask again
