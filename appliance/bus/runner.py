@@ -1333,6 +1333,14 @@ class Runner:
                 await asyncio.sleep(linger)
             await self._flush_acks()
 
+    def _acks_answered(self) -> None:
+        """The database answered an acknowledgement: if they were failing, claim again."""
+        if self._acks_failing:
+            self._acks_failing = False
+            log.info("acknowledgements are answered again; claiming again")
+            self._hint(*Lane)
+            self._wake.set()
+
     async def _flush_acks(self) -> None:
         self._ack_ready.clear()
         while self._acks:
@@ -1357,7 +1365,9 @@ class Runner:
                 raise
             except InvalidInput as exc:
                 # Refused as data, not for want of a database: retried whole, it would fail for
-                # ever and every later result with it.
+                # ever and every later result with it. The database answered: claims may go on
+                # (a lone refused result leaves nothing else whose commit would say so).
+                self._acks_answered()
                 if len(batch) > 1:
                     self._acks = batch + self._acks
                     self._alone = len(batch)
@@ -1376,11 +1386,7 @@ class Runner:
                 continue
             finally:
                 self._acking = []
-            if self._acks_failing:
-                self._acks_failing = False
-                log.info("acknowledgements commit again; claiming again")
-                self._hint(*Lane)
-                self._wake.set()
+            self._acks_answered()
             for (attempt, _), outcome in zip(batch, outcomes, strict=True):
                 if outcome is AckOutcome.APPLIED:
                     self.stats.completed += 1

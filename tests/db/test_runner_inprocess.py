@@ -1144,6 +1144,42 @@ class RefusedAcks(PgRunnerStore):
         return await super().claim_lane(**kw)
 
 
+class _FailThenRefuse(PgRunnerStore):
+    """The store whose first acknowledgement fails (the database away), and whose second is
+    refused as data; later ones go through."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.calls = 0
+        self.refused = asyncio.Event()
+
+    async def complete(self, completions: Any, **kw: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise psycopg.OperationalError("connection lost (test)")
+        if self.calls == 2:
+            self.refused.set()
+            raise InvalidInput("result", "refused (test)")
+        return await super().complete(completions, **kw)
+
+
+async def test_a_refused_result_after_failed_acknowledgements_lets_claims_go_on(
+    fresh_db: Endpoints,
+) -> None:
+    pipes = [Pipeline("quick", (Stage("run", quick),))]
+    config = RunnerConfig(worker_id="refused", concurrency=4, poll_interval=timedelta(seconds=1))
+    async with opened_as(fresh_db, pipes, _FailThenRefuse) as store:
+        bus = Bus(store)
+        async with serving(store, pipes, config, PgDoorbell(fresh_db.system)):
+            first = await bus.enqueue(**request(bus, "quick"))
+            await asyncio.wait_for(store.refused.wait(), 10)
+            # The lone result was refused and recorded as a failure: nothing is left to
+            # acknowledge, and the runner claims again (the first comes back as a retry).
+            second = await bus.enqueue(**request(bus, "quick", sid="2"))
+            await wait_status(bus, second.id, MessageStatus.DONE, timeout=10)
+            await wait_status(bus, first.id, MessageStatus.DONE, timeout=20)
+
+
 async def test_no_claims_while_results_cannot_be_stored_and_their_leases_are_kept(
     fresh_db: Endpoints,
 ) -> None:
