@@ -25,6 +25,7 @@ from appliance.db.migrate import migrate
 from appliance.db.schema_dump import dump_schema
 from appliance.domain.envelope import (
     WAITING,
+    EnqueueRequest,
     Lane,
     MessageStatus,
     check_name,
@@ -207,25 +208,38 @@ async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
         await _declare_pipeline(settings, svc, args.pipeline)
         stages = await svc.store.stages_of(args.pipeline)
         if stages and args.stage not in stages:
-            # A declared pipeline: a typo'd stage would be claimed and failed by every runner
-            # ("no handler") until dead. A pipeline never declared is taken as it comes.
+            # A declared pipeline: a typo'd stage would wait for a runner that serves it, which
+            # none ever will, until its wait expires. A pipeline never declared is taken as it
+            # comes.
             raise InvalidInput(
                 "stage",
                 f"unknown stage {args.stage!r} of pipeline {args.pipeline}"
                 f" (one of: {', '.join(stages)})",
             )
         (result,) = await svc.bus.enqueue_many([request])
-        stored = None if result.new else await svc.bus.get(args.tenant, result.id)
-    print(f"{result.id} {'new' if result.new else 'duplicate'}")
+        print(f"{result.id} {'new' if result.new else 'duplicate'}", flush=True)
+        if not result.new:
+            await _tell_differences(svc, request, result.id)
+    return 0
+
+
+async def _tell_differences(svc: Services, request: EnqueueRequest, message_id: int) -> None:
+    """The same key with other content is usually a mistake (a reused source id): say what
+    was not taken, on stderr, so that scripts reading the id are unaffected. A courtesy: the
+    submit has succeeded, so a failed look-up is only logged."""
+    try:
+        stored = await svc.bus.get(request.tenant, message_id)
+    except Exception:
+        logging.getLogger("appliance.cli").warning(
+            "could not compare duplicate %s with the stored message", message_id, exc_info=True
+        )
+        return
     if stored is not None and (changed := differences(request, stored)):
-        # The same key with other content is usually a mistake (a reused source id): say
-        # what was not taken, on stderr, so that scripts reading the id are unaffected.
         print(
-            f"note: message {result.id} already exists with this key and differs from this"
+            f"note: message {message_id} already exists with this key and differs from this"
             f" request in: {', '.join(changed)} (a duplicate changes nothing)",
             file=sys.stderr,
         )
-    return 0
 
 
 def status_json(st: BusStatus) -> dict[str, Any]:

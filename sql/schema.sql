@@ -345,14 +345,14 @@ ALTER FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_b
 -- Name: claimable(timestamp with time zone, text, text, text[], timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone) RETURNS boolean
+CREATE FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone) RETURNS boolean
     LANGUAGE sql STABLE PARALLEL SAFE
     AS $$
     SELECT (p_deadline IS NULL OR p_deadline > clock(p_now))
-       AND (p_served IS NULL OR p_pipeline || '/' || p_stage = ANY (p_served))
+       AND (p_skip IS NULL OR NOT (p_pipeline || '/' || p_stage = ANY (p_skip)))
 $$;
 
-ALTER FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone) OWNER TO appliance_owner;
+ALTER FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone) OWNER TO appliance_owner;
 
 --
 -- Name: clock(timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
@@ -1748,7 +1748,8 @@ CREATE TABLE appliance.runners (
     claimed bigint DEFAULT 0 NOT NULL,
     completed bigint DEFAULT 0 NOT NULL,
     failed bigint DEFAULT 0 NOT NULL,
-    stats jsonb DEFAULT '{}'::jsonb NOT NULL
+    stats jsonb DEFAULT '{}'::jsonb NOT NULL,
+    serves text[]
 );
 
 ALTER TABLE appliance.runners OWNER TO appliance_owner;
@@ -2529,11 +2530,11 @@ REVOKE ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time z
 GRANT ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) TO appliance_system;
 
 --
--- Name: FUNCTION claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+-- Name: FUNCTION claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone) TO appliance_app;
-GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_served text[], p_now timestamp with time zone) TO appliance_system;
+GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone) TO appliance_app;
+GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone) TO appliance_system;
 
 --
 -- Name: FUNCTION clock(p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -219,6 +219,7 @@ class RunnerStats:
     wakeups_rung: int = 0
     polls: int = 0
     parked: int = 0
+    parked_unserved: int = 0  # work of a stage no live runner serves, parked until one does
     resumed: int = 0
     held_budget: int = 0
     deferred: int = 0
@@ -310,6 +311,8 @@ class Runner:
         # Counts every change of the pool's room (a model attempt freed its place, the pool
         # changed): a claim that came back short of model room while it moved asks again.
         self._model_room_moves = 0
+        # Stages other live runners serve and this one does not: its claims leave them alone.
+        self._skip: frozenset[tuple[str, str]] = frozenset()
         self.started_at = self.clock()
         if inference is not None:
             inference.subscribe(self._inference_changed)
@@ -320,7 +323,8 @@ class Runner:
         """Serve until `stop` is set, then drain gracefully."""
         if self.doorbell is not None:
             await self.doorbell.start()
-        await self.store.register_runner(self._info())
+        await self.store.register_runner({**self._info(), "serves": self.registry.served})
+        await self._share_stages()
         side = [
             asyncio.create_task(self._ack_loop(), name="acks"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeats"),
@@ -391,6 +395,7 @@ class Runner:
         # After every (re)start: sweep for work first, then wait. A sweep is not a poll: work
         # found now was not missed by the doorbell.
         await self._resume_waiting()
+        await self._resume_stages()
         self._wake.set()
         while not stop.is_set():
             polled = await self._wait_for_reason()
@@ -562,8 +567,8 @@ class Runner:
                 # Handlers done, outcomes on their way: the database counts them as running
                 # until their acknowledgement commits; they do not hold back this claim.
                 finished=[c.lease for _, c in self._acks + self._acking],
-                # Only work this runner has handlers for: another runner may serve the rest.
-                served=self.registry.served,
+                # Work that other live runners serve (and this one does not) is theirs.
+                skip=self._skip,
             )
         except Exception:
             log.exception("claim failed; retrying on the next wake-up")
@@ -798,9 +803,10 @@ class Runner:
         stage = self.registry.stage(message.pipeline, message.stage)
         try:
             if stage is None:
-                await self._fail(
-                    attempt, f"no handler registered for {message.pipeline}.{message.stage}"
-                )
+                # Not skipped, so no live runner said it serves this stage (none runs, or this
+                # claim came before its first report): it waits for one, out of every claim's
+                # way, instead of failing until dead.
+                await self._park_unserved(attempt)
                 return
             if stage.tier is not None and self._route_stage(stage) is None:
                 # Checked before the run budget: parking does not use up a step.
@@ -1193,6 +1199,56 @@ class Runner:
                 self._wake.set()
                 self._resume_soon()
 
+    async def _park_unserved(self, attempt: _Attempt) -> None:
+        attempt.settling = True
+        message = attempt.message
+        expires = self.clock() + self.config.capability_wait
+        try:
+            parked = await self.store.wait_stage(
+                attempt.lease,
+                pipeline=message.pipeline,
+                stage=message.stage,
+                expires_at=expires,
+                reason=f"waiting for a runner that serves {message.pipeline}.{message.stage}"
+                f" (no live runner does; waits until {expires.isoformat(timespec='seconds')})",
+                actor=self.config.worker_id,
+                now=None,
+            )
+        except Exception:
+            log.exception("could not park message %s; its lease will lapse", message.id)
+            return
+        if parked:
+            self.stats.parked_unserved += 1
+            log.warning(
+                "message %s: no live runner serves %s.%s; parked until one does",
+                message.id,
+                message.pipeline,
+                message.stage,
+            )
+
+    async def _share_stages(self) -> None:
+        """Learn which stages other live runners serve (this runner's claims skip those it
+        does not serve itself)."""
+        try:
+            elsewhere = await self.store.stages_elsewhere(self.config.worker_id, now=None)
+        except Exception:
+            log.exception("could not read the stages other runners serve")
+            return
+        self._skip = elsewhere - self.registry.served
+
+    async def _resume_stages(self) -> None:
+        """Resume work parked until a runner serves one of this runner's stages."""
+        try:
+            n = await self.store.resume_stages(
+                self.registry.served, actor=self.config.worker_id, batch=500, now=None
+            )
+        except Exception:
+            log.exception("could not resume work waiting for this runner's stages")
+            return
+        if n:
+            self.stats.resumed += n
+            log.info("resumed %d messages waiting for a runner of their stage", n)
+
     def _inference_changed(self) -> None:
         """The pool's availability or room changed (a model call ended, a tier came up or
         went down). A tier that came up: waiting work resumes and every lane is asked. Room
@@ -1574,6 +1630,7 @@ class Runner:
                 "wakeups_rung": self.stats.wakeups_rung,
                 "polls": self.stats.polls,
                 "parked": self.stats.parked,
+                "parked_unserved": self.stats.parked_unserved,
                 "held_budget": self.stats.held_budget,
                 "deferred": self.stats.deferred,
                 "budget_exhausted": self.stats.budget_exhausted,
@@ -1587,9 +1644,13 @@ class Runner:
             await asyncio.sleep(self.config.report_every.total_seconds())
             try:
                 await self.store.report_runner(self._info())
-                # Work parked by any runner resumes here too once a tier it waits for is up.
+                # Work parked by any runner resumes here too once a tier it waits for is up,
+                # or once this runner serves its stage; and the stages other runners serve
+                # are learnt afresh (one started or stopped).
                 if self.inference is not None:
                     await self._resume_waiting()
+                await self._share_stages()
+                await self._resume_stages()
             except asyncio.CancelledError:
                 raise
             except Exception:

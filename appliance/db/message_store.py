@@ -195,14 +195,14 @@ def _enqueue_params(
 
 
 @functools.lru_cache(maxsize=64)
-def _stage_array(served: frozenset[tuple[str, str]]) -> str:
-    """The claim's `served` parameter: an array literal of 'pipeline/stage' ('/' is in no
-    name), built once per set a runner serves rather than dumped on every claim."""
+def stage_array(stages: frozenset[tuple[str, str]]) -> str:
+    """(pipeline, stage) pairs as an array literal of 'pipeline/stage' ('/' is in no name),
+    built once per set rather than dumped on every claim."""
 
     def quoted(text: str) -> str:
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
-    return "{" + ",".join(quoted(f"{p}/{s}") for p, s in sorted(served)) + "}"
+    return "{" + ",".join(quoted(f"{p}/{s}") for p, s in sorted(stages)) + "}"
 
 
 @functools.lru_cache(maxsize=256)
@@ -364,7 +364,7 @@ class PgMessageStore:
         blocked_tiers: Sequence[Tier] = (),
         finished: Sequence[LeaseRef] = (),
         backlog: bool = True,
-        served: Collection[tuple[str, str]] | None = None,
+        skip: Collection[tuple[str, str]] | None = None,
     ) -> LaneClaim:
         """Lease up to `limit` messages of one lane, fairly across tenants; stages whose model
         tier is in `blocked_tiers` (no room in the caller's pool) are left for later.
@@ -375,8 +375,8 @@ class PgMessageStore:
         `backlog`: whether to look for work left behind (LaneClaim.left_behind). Only a claim
         of the whole lane does; one for a single `tenant` reports False.
 
-        `served`: the (pipeline, stage) pairs the caller has handlers for; other work is left
-        to whoever serves it (and not counted as backlog). None takes any.
+        `skip`: (pipeline, stage) pairs whose work is left to other runners (not taken, not
+        counted as backlog).
         """
         if limit <= 0:
             return LaneClaim([], left_behind=False)
@@ -399,7 +399,7 @@ class PgMessageStore:
             "now": now,
             "finished_ids": "{" + ",".join(str(f.message_id) for f in finished) + "}",
             "finished_tokens": "{" + ",".join(str(f.lease_token) for f in finished) + "}",
-            "served": None if served is None else _stage_array(frozenset(served)),
+            "skip": stage_array(frozenset(skip)) if skip else None,
         }
         async with self.db.system_conn() as conn:
             cur = conn.cursor(row_factory=CLAIM_ROWS)

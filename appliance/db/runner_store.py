@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -14,7 +14,13 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from appliance.db.message_store import SYSTEM_ACTOR, PgMessageStore, run_batches, run_fenced
+from appliance.db.message_store import (
+    SYSTEM_ACTOR,
+    PgMessageStore,
+    run_batches,
+    run_fenced,
+    stage_array,
+)
 from appliance.db.queries import q
 from appliance.domain.envelope import LeaseRef, storable_text
 from appliance.domain.inference import CallRecord, Tier
@@ -27,6 +33,17 @@ log = logging.getLogger(__name__)
 # acknowledgement held them at that moment.
 RETIER_ATTEMPTS = 100
 RETIER_PAUSE_S = 0.05
+# A runner is alive while it reported within this and did not say it stopped (reports come
+# every few seconds).
+RUNNER_ALIVE = timedelta(seconds=30)
+# What a message waits for when no live runner serves its stage: 'stage:pipeline/stage'
+# (a tier's wait names the tier).
+STAGE_WAIT_PREFIX = "stage:"
+
+
+def stage_wait(pipeline: str, stage: str) -> str:
+    """The `waiting_for` of work parked until a runner serves (pipeline, stage)."""
+    return f"{STAGE_WAIT_PREFIX}{pipeline}/{stage}"
 
 
 class PgRunnerStore(PgMessageStore):
@@ -90,6 +107,54 @@ class PgRunnerStore(PgMessageStore):
             return 0
         params = {"tiers": [t.value for t in tiers], "actor": actor, "batch": batch, "now": now}
         return await run_batches(self.db, "message_resume_capability", params)
+
+    async def wait_stage(
+        self,
+        lease: LeaseRef,
+        *,
+        pipeline: str,
+        stage: str,
+        expires_at: datetime,
+        reason: str,
+        actor: str = SYSTEM_ACTOR,
+        now: datetime | None = None,
+    ) -> bool:
+        """Park a running attempt of (pipeline, stage), which no live runner serves, until one
+        that serves it resumes it (resume_stages), by `expires_at` at the latest (fenced by
+        the lease)."""
+        return await run_fenced(
+            self.db, "message_park", lease, status="waiting_capability",
+            waiting_for=stage_wait(pipeline, stage), expires_at=expires_at, reason=reason,
+            actor=actor, now=now,
+        )  # fmt: skip
+
+    async def resume_stages(
+        self,
+        stages: Collection[tuple[str, str]],
+        *,
+        actor: str = SYSTEM_ACTOR,
+        batch: int = 500,
+        now: datetime | None = None,
+    ) -> int:
+        """Send work parked until a runner serves one of `stages` back to pending; how many."""
+        if not stages:
+            return 0
+        waits = [stage_wait(p, s) for p, s in sorted(stages)]
+        params = {"tiers": waits, "actor": actor, "batch": batch, "now": now}
+        return await run_batches(self.db, "message_resume_capability", params)
+
+    async def stages_elsewhere(
+        self, runner_id: str, *, now: datetime | None = None
+    ) -> frozenset[tuple[str, str]]:
+        """The (pipeline, stage) pairs that live runners other than `runner_id` serve."""
+        params = {"id": runner_id, "now": now, "alive": RUNNER_ALIVE}
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("runner_stages_elsewhere"), params)).fetchone()
+        found: set[tuple[str, str]] = set()
+        for text in row["stages"] if row is not None else []:
+            pipeline, _, stage = str(text).partition("/")
+            found.add((pipeline, stage))
+        return frozenset(found)
 
     async def terminate(
         self,
@@ -288,8 +353,12 @@ class PgRunnerStore(PgMessageStore):
     # -- runner health --------------------------------------------------------------------------
 
     async def register_runner(self, info: dict[str, Any]) -> None:
+        """Record a runner at its start; `info["serves"]`: the (pipeline, stage) pairs it
+        serves (absent: it does not say, and no claim skips for it)."""
+        serves = info.get("serves")
+        params = {**info, "serves": None if serves is None else stage_array(frozenset(serves))}
         async with self.db.system_conn() as conn:
-            await conn.execute(q("runner_register"), info)
+            await conn.execute(q("runner_register"), params)
 
     async def report_runner(self, info: dict[str, Any]) -> None:
         params = {**info, "stats": Jsonb(info.get("stats", {}))}
@@ -311,7 +380,7 @@ class PgRunnerStore(PgMessageStore):
                     pid=r["pid"],
                     seen_age_s=seen,
                     # Alive: reported recently and did not say it stopped.
-                    alive=r["stopped_at"] is None and seen < 30.0,
+                    alive=r["stopped_at"] is None and seen < RUNNER_ALIVE.total_seconds(),
                     listener_connected=r["listener_connected"],
                     last_missed_wakeup_age_s=(
                         float(r["missed_age_s"]) if r["missed_age_s"] is not None else None

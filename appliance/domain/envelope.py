@@ -526,7 +526,11 @@ class Message:
 def differences(request: EnqueueRequest, stored: Message) -> list[str]:
     """The fields in which a request that came back a duplicate differs from the message its
     key already names (what the caller asked for but did not get: a duplicate changes nothing).
-    Fields the request left to the stage's defaults are not compared."""
+
+    Its content is compared always; lane, priority, attempts and agents only when the request
+    sets them (left unset, they are defaults, not asked for). Times are not compared: the bus
+    moves them itself (a retry's not-before, a redrive that clears the deadline).
+    """
     asked: list[tuple[str, object, object]] = [
         ("pipeline", request.pipeline, stored.pipeline),
         ("stage", request.stage, stored.stage),
@@ -534,17 +538,17 @@ def differences(request: EnqueueRequest, stored: Message) -> list[str]:
         ("source_id", request.source_id, stored.source_id),
         ("directive", request.directive, stored.directive),
         ("context", json.loads(request.context_json), stored.context),
-        ("priority", request.priority, stored.priority),
-        ("from_agent", request.from_agent, stored.from_agent),
-        ("to_agent", request.to_agent, stored.to_agent),
-        ("deadline", request.deadline, stored.deadline),
     ]
     if request.lane is not None:
         asked.append(("lane", request.lane, stored.lane))
+    if request.priority != 0:
+        asked.append(("priority", request.priority, stored.priority))
     if request.max_attempts is not None:
         asked.append(("max_attempts", request.max_attempts, stored.max_attempts))
-    if request.not_before is not None:
-        asked.append(("not_before", request.not_before, stored.not_before))
+    if request.from_agent is not None:
+        asked.append(("from_agent", request.from_agent, stored.from_agent))
+    if request.to_agent is not None:
+        asked.append(("to_agent", request.to_agent, stored.to_agent))
     return [name for name, wanted, kept in asked if wanted != kept]
 
 

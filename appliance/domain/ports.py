@@ -231,7 +231,7 @@ class RunnerStore(MessageStore, Protocol):
         now: datetime | None,
         blocked_tiers: Sequence[Tier] = (),
         finished: Sequence[LeaseRef] = (),
-        served: Collection[tuple[str, str]] | None = None,
+        skip: Collection[tuple[str, str]] | None = None,
     ) -> LaneClaim: ...
 
     async def heartbeat_many(
@@ -260,6 +260,26 @@ class RunnerStore(MessageStore, Protocol):
     async def resume_capability(
         self, tiers: Sequence[Tier], *, actor: str, batch: int, now: datetime | None
     ) -> int: ...
+
+    async def wait_stage(
+        self,
+        lease: LeaseRef,
+        *,
+        pipeline: str,
+        stage: str,
+        expires_at: datetime,
+        reason: str,
+        actor: str,
+        now: datetime | None,
+    ) -> bool: ...
+
+    async def resume_stages(
+        self, stages: Collection[tuple[str, str]], *, actor: str, batch: int, now: datetime | None
+    ) -> int: ...
+
+    async def stages_elsewhere(
+        self, runner_id: str, *, now: datetime | None
+    ) -> frozenset[tuple[str, str]]: ...
 
     async def record_call(self, record: CallRecord) -> None: ...
 

@@ -4,7 +4,7 @@
 -- table's check), never the status: see the top of messages.sql.
 
 -- name: message_claim_lane :many
--- Lease up to `limit` pending messages of one lane (of the stages in `served`, 'pipeline/stage' each, when given: NULL takes any): tenants round-robin (least recently served first, an equal share each), each within its concurrency limit; only work of the tiers in `open_tiers` ('' for work without model calls) (the caller's finished but unacknowledged attempts, `finished_ids`/`finished_tokens`, not counted), checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
+-- Lease up to `limit` pending messages of one lane (but those of the stages in `skip`, 'pipeline/stage' each: served by other runners): tenants round-robin (least recently served first, an equal share each), each within its concurrency limit; only work of the tiers in `open_tiers` ('' for work without model calls) (the caller's finished but unacknowledged attempts, `finished_ids`/`finished_tokens`, not counted), checked against its counter row locked (waiting, never skipping) in tenant order; with the lane's backlog as found (lane_pending, capped at limit + 1). One autocommit statement that commits without waiting for the WAL flush.
 WITH nondurable AS MATERIALIZED (
     -- A claim is one round trip: its own implicit transaction, made non-durable here rather
     -- than by a SET LOCAL in a transaction block (which costs three more statements). A server
@@ -52,9 +52,9 @@ eligible AS MATERIALIZED (
                 AND coalesce(m.tier, '') = o.tier AND m.tenant = r.tenant
                 AND m.not_before <= clock(%(now)s)
                 -- As `picked` takes: a tenant whose work is all late (the expirer's) or of
-                -- stages the caller does not serve is not eligible, or it would take a share,
-                -- be given nothing, stay least recently served, and come first in every claim.
-                AND claimable(m.deadline, m.pipeline, m.stage, %(served)s, %(now)s)
+                -- stages skipped is not eligible, or it would take a share, be given nothing,
+                -- stay least recently served, and come first in every claim.
+                AND claimable(m.deadline, m.pipeline, m.stage, %(skip)s, %(now)s)
               ORDER BY m.priority DESC, m.not_before, m.id LIMIT 1 OFFSET 0
           ) AS x)
     ORDER BY r.last_claimed_at NULLS FIRST, r.tenant
@@ -70,10 +70,9 @@ picked AS MATERIALIZED (
     -- goes, skipping rows other claimers hold), merged; a blocked tier's backlog is never read
     -- (migration 0017). Rows beyond the merged share stay locked until this statement ends.
     SELECT c.id, c.tenant, c.rank, s.last_claimed_at, ps.max_runtime
-    -- Of the stages the caller serves (`served`): a runner that serves some pipelines leaves
-    -- the others' work to the runners that serve them, where it used to claim it and fail it
-    -- ("no handler") until dead. A filter, not an index key: such a runner reads past other
-    -- stages' ready work queued ahead of its own (in its lane, tier and tenant).
+    -- Not of the stages in `skip`: those that other live runners serve and the caller does
+    -- not (migration 0034). A filter, not an index key: the claim reads past their ready work
+    -- queued ahead of its own (in its lane, tier and tenant), which those runners drain.
     FROM shares s
     CROSS JOIN LATERAL (
         SELECT m.id, m.tenant, m.pipeline, m.stage,
@@ -85,8 +84,8 @@ picked AS MATERIALIZED (
             WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
               AND coalesce(m.tier, '') = o.tier AND m.tenant = s.tenant
               AND m.not_before <= clock(%(now)s)
-              -- Not late, and of a stage the caller serves (migration 0034).
-              AND claimable(m.deadline, m.pipeline, m.stage, %(served)s, %(now)s)
+              -- Not late, and not of a stage skipped (migration 0034).
+              AND claimable(m.deadline, m.pipeline, m.stage, %(skip)s, %(now)s)
             ORDER BY m.priority DESC, m.not_before, m.id
             LIMIT s.share
             FOR UPDATE OF m SKIP LOCKED
@@ -135,9 +134,8 @@ backlog AS (
         WHERE m.status = 'pending' AND NOT m.deferred AND m.lane = %(lane)s::lane
           AND coalesce(m.tier, '') = o.tier AND m.not_before <= clock(%(now)s)
           -- What `picked` could take: not late work (the expirer's), work of a blocked tier
-          -- or of a stage the caller does not serve (a runner would otherwise ask again
-          -- after every message).
-          AND claimable(m.deadline, m.pipeline, m.stage, %(served)s, %(now)s)
+          -- or of a stage skipped (a runner would otherwise ask again after every message).
+          AND claimable(m.deadline, m.pipeline, m.stage, %(skip)s, %(now)s)
         -- The pending index's order: read from the index, never a heap scan through history.
         ORDER BY m.lane, coalesce(m.tier, ''), m.tenant, m.priority DESC, m.not_before, m.id
         LIMIT %(backlog_limit)s
@@ -323,12 +321,14 @@ stamped AS (
 SELECT (SELECT count(*) FROM stale) AS stale, (SELECT count(*) FROM stamped) AS stamped;
 
 -- name: runner_register :exec
--- Record a runner at start (a restart with the same id starts afresh).
-INSERT INTO runners AS r (id, host, pid, started_at, seen_at, listener_connected)
-VALUES (%(id)s, %(host)s, %(pid)s, %(started_at)s, %(seen_at)s, %(listener_connected)s)
+-- Record a runner at start, with the stages it serves ('pipeline/stage' each) (a restart with the same id starts afresh).
+INSERT INTO runners AS r (id, host, pid, started_at, seen_at, listener_connected, serves)
+VALUES (%(id)s, %(host)s, %(pid)s, %(started_at)s, %(seen_at)s, %(listener_connected)s,
+        %(serves)s::text[])
 ON CONFLICT (id) DO UPDATE
 SET host = excluded.host, pid = excluded.pid, started_at = excluded.started_at,
     seen_at = excluded.seen_at, stopped_at = NULL, listener_connected = excluded.listener_connected,
+    serves = excluded.serves,
     last_missed_wakeup_at = NULL, missed_wakeups = 0, claimed = 0, completed = 0, failed = 0,
     stats = '{}'::jsonb;
 
@@ -351,6 +351,14 @@ SELECT id, host, pid, listener_connected, missed_wakeups, claimed, completed, fa
 FROM runners
 WHERE seen_at > coalesce(%(now)s::timestamptz, now()) - interval '1 day'
 ORDER BY seen_at DESC;
+
+-- name: runner_stages_elsewhere :one
+-- The stages ('pipeline/stage') that live runners other than `id` serve: reported within `alive` and not stopped.
+SELECT coalesce(array_agg(DISTINCT s.stage ORDER BY s.stage), '{}') AS stages
+FROM runners r
+CROSS JOIN LATERAL unnest(r.serves) AS s(stage)
+WHERE r.id <> %(id)s AND r.stopped_at IS NULL
+  AND r.seen_at > coalesce(%(now)s::timestamptz, now()) - %(alive)s::interval;
 
 -- name: bus_activity :one
 -- Reclaims and keys hit by duplicates in the last hour (dispatch and dedup health).

@@ -42,7 +42,7 @@ CLAIM_TYPES = {
     "now": "timestamptz",
     "finished_ids": "bigint[]",
     "finished_tokens": "bigint[]",
-    "served": "text[]",
+    "skip": "text[]",
 }
 
 
@@ -62,7 +62,7 @@ def claim_values(**overrides: Any) -> dict[str, Any]:
         "now": None,
         "finished_ids": "{}",
         "finished_tokens": "{}",
-        "served": None,
+        "skip": None,
     }
     values.update(overrides)
     return values

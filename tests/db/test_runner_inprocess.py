@@ -306,29 +306,74 @@ async def test_a_handler_that_ends_when_cancelled_is_not_counted_as_abandoned(ru
     assert runner.stats.abandoned == 0 and runner.abandoned_tasks() == []
 
 
-async def test_work_this_runner_does_not_serve_waits_untouched_for_one_that_does(
-    running,
-) -> None:
-    bus, store, _ = running
+async def test_work_no_live_runner_serves_waits_parked_for_one_that_does(running) -> None:
+    bus, store, runner = running
     # Another pipeline, and a stage that a pipeline this runner serves does not have (a
     # newer version's): claimed before, failed "no handler" and dead after its attempts.
     elsewhere = await bus.enqueue(**request(bus, "elsewhere"))
     newer = await bus.enqueue(**{**request(bus, "quick"), "stage": "newer"})
     mine = await bus.enqueue(**request(bus, "quick", sid="2"))
     await wait_status(bus, mine.id, MessageStatus.DONE)
-    await asyncio.sleep(0.5)  # claims after it: a doorbell, the claim-ahead, a re-ask
-    for mid in (elsewhere.id, newer.id):
+    for mid, waits in ((elsewhere.id, "stage:elsewhere/run"), (newer.id, "stage:quick/newer")):
+        await wait_status(bus, mid, MessageStatus.WAITING_CAPABILITY)
         got = await bus.get("acme", mid)
-        assert got is not None and got.status is MessageStatus.PENDING
-        assert got.attempts == 0 and got.error is None
+        assert got is not None and got.attempts == 0 and got.error is None
+        assert got.extra["waiting_for"] == waits
+    assert runner.stats.parked_unserved == 2
     other = [
         Pipeline("elsewhere", (Stage("run", quick),)),
         Pipeline("quick", (Stage("run", quick), Stage("newer", quick))),
     ]
     config = RunnerConfig(worker_id="other", concurrency=4, poll_interval=timedelta(seconds=5))
+    # A runner that serves them resumes them when it starts.
     async with serving(store, other, config, None):
         await wait_status(bus, elsewhere.id, MessageStatus.DONE)
         await wait_status(bus, newer.id, MessageStatus.DONE)
+
+
+class _GatedClaims(PgRunnerStore):
+    """The store, holding every claim until `gate` opens."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.gate = asyncio.Event()
+
+    async def claim_lane(self, **kw: Any) -> LaneClaim:
+        await self.gate.wait()
+        return await super().claim_lane(**kw)
+
+
+async def test_work_another_live_runner_serves_is_left_to_it(fresh_db: Endpoints) -> None:
+    mine = [Pipeline("quick", (Stage("run", quick),))]
+    theirs = [Pipeline("elsewhere", (Stage("run", quick),))]
+    async with (
+        opened_as(fresh_db, mine + theirs, PgRunnerStore) as store,
+        opened_as(fresh_db, [], _GatedClaims) as gated,
+    ):
+        bus = Bus(store)
+        slow = RunnerConfig(worker_id="theirs", concurrency=4, poll_interval=timedelta(seconds=5))
+        # Their runner is up (registered, reporting) but claims nothing until the gate opens.
+        async with serving(gated, theirs, slow, None, gated.gate):
+            config = RunnerConfig(
+                worker_id="mine", concurrency=4, poll_interval=timedelta(seconds=1)
+            )
+            async with serving(store, mine, config, PgDoorbell(fresh_db.system)) as runner:
+                ids = [
+                    (await bus.enqueue(**request(bus, "elsewhere", sid=f"e{i}"))).id
+                    for i in range(3)
+                ]
+                # Keys ignore the pipeline: a source id of its own.
+                done = await bus.enqueue(**request(bus, "quick", sid="q"))
+                await wait_status(bus, done.id, MessageStatus.DONE)
+                await asyncio.sleep(1.5)  # doorbells and a fallback poll of this runner
+                for mid in ids:
+                    got = await bus.get("acme", mid)
+                    assert got is not None and got.status is MessageStatus.PENDING
+                    assert got.attempts == 0
+                assert runner.stats.parked_unserved == 0
+                gated.gate.set()
+                for mid in ids:
+                    await wait_status(bus, mid, MessageStatus.DONE)
 
 
 async def test_status_shows_the_runner_and_its_listener(running) -> None:

@@ -661,7 +661,7 @@ async def test_claim_cost_does_not_grow_with_history(pg_server, fresh_db: Endpoi
             "now": None,
             "finished_ids": [],
             "finished_tokens": [],
-            "served": None,
+            "skip": None,
         }
         plans = await _claim_plans(db, params)
     finally:
@@ -698,7 +698,7 @@ async def test_claim_plan_built_on_an_empty_table_stays_bounded(fresh_db: Endpoi
             "now": None,
             "finished_ids": [],
             "finished_tokens": [],
-            "served": None,
+            "skip": None,
         }
 
         async def burst() -> None:

@@ -334,8 +334,8 @@ def test_work_submitted_before_any_runner_gets_its_stages_lane_and_tier(
     # A pipeline nobody declares still takes work, with the defaults.
     run(env, "submit", "--tenant", "acme", "--pipeline", "elsewhere", "--stage", "s",
         "--source", "cli", "--source-id", "1", "--directive", "d")  # fmt: skip
-    # A declared pipeline's stage mistyped: refused, naming the stages there are (it was taken,
-    # then claimed and failed by every runner, "no handler", until dead).
+    # A declared pipeline's stage mistyped: refused, naming the stages there are (taken, it
+    # would wait for a runner that serves it until its wait expired).
     typo = run(env, "submit", "--tenant", "acme", "--pipeline", "demo", "--stage", "intak",
                "--source", "cli", "--source-id", "3", "--directive", "d", check=False)  # fmt: skip
     assert typo.returncode == 2, typo.stderr

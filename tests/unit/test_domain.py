@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -290,10 +291,12 @@ def test_a_duplicate_names_what_it_asked_for_differently() -> None:
         updated_at=at,
     )  # fmt: skip
     # The same content (keys in another order, 1.0 as jsonb keeps it); lane, attempts and
-    # not-before left to the stage's defaults are not compared.
+    # priority left to the defaults, and the times the bus moves, are not compared.
     assert differences(asked, stored) == []
+    moved = replace(stored, priority=2, not_before=at + timedelta(hours=1), deadline=at)
+    assert differences(asked, moved) == []
     other = EnqueueRequest.build(
         tenant="acme", pipeline="p", stage="s", source="src", source_id="1", directive="e",
         context={"n": 2}, lane="interactive", priority=3, max_attempts=3,
     )  # fmt: skip
-    assert differences(other, stored) == ["directive", "context", "priority", "lane"]
+    assert differences(other, stored) == ["directive", "context", "lane", "priority"]
