@@ -484,8 +484,10 @@ class Runner:
                 )
         total = 0
         for lane in CLAIM_ORDER:
-            if self._stop_requested():
-                break  # told to stop while an earlier lane's claim was in flight
+            if self._stop_requested() or self._acks_failing:
+                # Told to stop, or acknowledgements began to fail, while an earlier lane's
+                # claim was in flight.
+                break
             # Its claimed-ahead messages first: they were claimed before anything asked now.
             self._start_held(lane)
             free = self.slots.free(lane)
