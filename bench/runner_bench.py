@@ -1080,6 +1080,7 @@ async def explain_claim(side: BusSide, pending: int, limit: int = 7) -> Explaine
         "now": None,
         "finished_ids": [],
         "finished_tokens": [],
+        "skip": None,
     }
     sql = "EXPLAIN (ANALYZE) " + q("message_claim_lane")
 
