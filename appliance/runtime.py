@@ -348,6 +348,7 @@ def runner_config(settings: Settings) -> RunnerConfig:
         claim_ahead=r.claim_ahead,
         reclaim_every=timedelta(seconds=FALLBACK_RECLAIM_FACTOR * r.reclaim_interval_seconds),
         capability_wait=timedelta(seconds=r.capability_wait_seconds),
+        stage_wait=timedelta(seconds=r.stage_wait_seconds),
         max_hops=r.max_hops,
         idempotency_retention=settings.bus.idempotency_retention,
         max_attempts=settings.bus.max_attempts,

@@ -153,6 +153,9 @@ class RunnerSettings(_Section):
     history_retention_days: float | None = Field(default=400.0, gt=0, le=36500)
     # How long model work may wait for its tier (waiting_capability) before it expires.
     capability_wait_seconds: float = Field(default=3600.0, gt=0, le=31_536_000)
+    # How long work may wait for a runner that serves its stage (none live: all stopped for an
+    # upgrade, or a stage of a newer version) before it expires. Days, not a model's hour.
+    stage_wait_seconds: float = Field(default=7 * 86400.0, gt=0, le=31_536_000)
     # Hand-offs a message may be from its run's start (a pipeline's budget may say fewer).
     max_hops: int = Field(default=1000, ge=1)
     pipelines: list[str] = Field(default_factory=lambda: ["demo", "support"])

@@ -142,6 +142,8 @@ class RunnerConfig:
     report_every: timedelta = timedelta(seconds=5)
     # How long model work may wait in waiting_capability for its tier before it expires.
     capability_wait: timedelta = timedelta(hours=1)
+    # How long work waits for a runner that serves its stage (no live runner does).
+    stage_wait: timedelta = timedelta(days=7)
     # Kept free at the end of a stage for writing its result: a model call must end earlier.
     persist_margin: timedelta = timedelta(seconds=2)
     # How many hand-offs a message may be from its run's start (a pipeline's budget may say
@@ -313,6 +315,7 @@ class Runner:
         self._model_room_moves = 0
         # Stages other live runners serve and this one does not: its claims leave them alone.
         self._skip: frozenset[tuple[str, str]] = frozenset()
+        self._unserved_seen: set[tuple[str, str]] = set()  # stages whose parking was logged
         self.started_at = self.clock()
         if inference is not None:
             inference.subscribe(self._inference_changed)
@@ -1204,29 +1207,39 @@ class Runner:
     async def _park_unserved(self, attempt: _Attempt) -> None:
         attempt.settling = True
         message = attempt.message
-        expires = self.clock() + self.config.capability_wait
+        wait = self.config.stage_wait
         try:
-            parked = await self.store.wait_stage(
+            took = await self.store.wait_stage(
                 attempt.lease,
                 pipeline=message.pipeline,
                 stage=message.stage,
-                expires_at=expires,
+                wait=wait,
                 reason=f"waiting for a runner that serves {message.pipeline}.{message.stage}"
-                f" (no live runner does; waits until {expires.isoformat(timespec='seconds')})",
+                f" (no live runner does; for {wait} at most)",
                 actor=self.config.worker_id,
                 now=None,
             )
         except Exception:
             log.exception("could not park message %s; its lease will lapse", message.id)
             return
-        if parked:
+        if took == "pending":
+            # A runner that serves the stage started since this claim: given back to it, and
+            # this runner learns to leave its stages alone now rather than at its next report.
+            self.stats.released += 1
+            await self._share_stages()
+        elif took is not None:
             self.stats.parked_unserved += 1
-            log.warning(
-                "message %s: no live runner serves %s.%s; parked until one does",
-                message.id,
-                message.pipeline,
-                message.stage,
-            )
+            key = (message.pipeline, message.stage)
+            if key not in self._unserved_seen:
+                # Once per stage: a backlog of it would otherwise log a line per message.
+                self._unserved_seen.add(key)
+                log.warning(
+                    "no live runner serves %s.%s: its work waits, parked, for one that does"
+                    " (message %s first)",
+                    message.pipeline,
+                    message.stage,
+                    message.id,
+                )
 
     async def _share_stages(self) -> None:
         """Learn which stages other live runners serve (this runner's claims skip those it
@@ -1240,6 +1253,8 @@ class Runner:
 
     async def _resume_stages(self) -> None:
         """Resume work parked until a runner serves one of this runner's stages."""
+        if self._stopping:
+            return  # it would not be claimed here, and others still leave it to this runner
         try:
             n = await self.store.resume_stages(
                 self.registry.served, actor=self.config.worker_id, batch=500, now=None
@@ -1614,7 +1629,9 @@ class Runner:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started_at": self.started_at,
-            "seen_at": self.clock(),
+            # The database's clock: liveness (which stages other runners skip) is judged by
+            # it, and a runner whose clock is behind must not look gone.
+            "seen_at": None,
             "listener_connected": bool(self.doorbell and self.doorbell.connected),
             "last_missed_wakeup_at": self.stats.last_missed_wakeup_at,
             "missed_wakeups": self.stats.missed_wakeups,

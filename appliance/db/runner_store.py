@@ -114,19 +114,23 @@ class PgRunnerStore(PgMessageStore):
         *,
         pipeline: str,
         stage: str,
-        expires_at: datetime,
+        wait: timedelta,
         reason: str,
         actor: str = SYSTEM_ACTOR,
         now: datetime | None = None,
-    ) -> bool:
+    ) -> str | None:
         """Park a running attempt of (pipeline, stage), which no live runner serves, until one
-        that serves it resumes it (resume_stages), by `expires_at` at the latest (fenced by
-        the lease)."""
-        return await run_fenced(
-            self.db, "message_park", lease, status="waiting_capability",
-            waiting_for=stage_wait(pipeline, stage), expires_at=expires_at, reason=reason,
-            actor=actor, now=now,
-        )  # fmt: skip
+        that serves it resumes it (resume_stages), for `wait` at most (fenced by the lease);
+        given back to pending instead when a live runner other than `actor` serves it now.
+        The status it took ('waiting_capability' or 'pending'); None: the lease was gone."""
+        params = {
+            "id": lease.message_id, "token": lease.lease_token, "actor": actor, "now": now,
+            "stage": f"{pipeline}/{stage}", "waiting_for": stage_wait(pipeline, stage),
+            "wait": wait, "alive": RUNNER_ALIVE, "reason": storable_text(reason),
+        }  # fmt: skip
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_park_stage"), params)).fetchone()
+        return None if row is None else str(row["status"])
 
     async def resume_stages(
         self,

@@ -300,7 +300,7 @@ class Registry:
 
     @property
     def served(self) -> frozenset[tuple[str, str]]:
-        """Every (pipeline, stage) with a handler here: the only work a runner claims."""
+        """Every (pipeline, stage) with a handler here (what a runner says it serves)."""
         return self._served
 
     @property

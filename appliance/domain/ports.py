@@ -267,11 +267,11 @@ class RunnerStore(MessageStore, Protocol):
         *,
         pipeline: str,
         stage: str,
-        expires_at: datetime,
+        wait: timedelta,
         reason: str,
         actor: str,
         now: datetime | None,
-    ) -> bool: ...
+    ) -> str | None: ...
 
     async def resume_stages(
         self, stages: Collection[tuple[str, str]], *, actor: str, batch: int, now: datetime | None

@@ -321,10 +321,10 @@ stamped AS (
 SELECT (SELECT count(*) FROM stale) AS stale, (SELECT count(*) FROM stamped) AS stamped;
 
 -- name: runner_register :exec
--- Record a runner at start, with the stages it serves ('pipeline/stage' each) (a restart with the same id starts afresh).
+-- Record a runner at start, with the stages it serves ('pipeline/stage' each) (a restart with the same id starts afresh). `seen_at` NULL: the database clock, the one liveness is judged by.
 INSERT INTO runners AS r (id, host, pid, started_at, seen_at, listener_connected, serves)
-VALUES (%(id)s, %(host)s, %(pid)s, %(started_at)s, %(seen_at)s, %(listener_connected)s,
-        %(serves)s::text[])
+VALUES (%(id)s, %(host)s, %(pid)s, %(started_at)s,
+        coalesce(%(seen_at)s::timestamptz, now()), %(listener_connected)s, %(serves)s::text[])
 ON CONFLICT (id) DO UPDATE
 SET host = excluded.host, pid = excluded.pid, started_at = excluded.started_at,
     seen_at = excluded.seen_at, stopped_at = NULL, listener_connected = excluded.listener_connected,
@@ -333,9 +333,9 @@ SET host = excluded.host, pid = excluded.pid, started_at = excluded.started_at,
     stats = '{}'::jsonb;
 
 -- name: runner_report :exec
--- A runner's periodic health report.
+-- A runner's periodic health report (`seen_at` NULL: the database clock).
 UPDATE runners
-SET seen_at = %(seen_at)s, stopped_at = %(stopped_at)s,
+SET seen_at = coalesce(%(seen_at)s::timestamptz, now()), stopped_at = %(stopped_at)s,
     listener_connected = %(listener_connected)s,
     last_missed_wakeup_at = %(last_missed_wakeup_at)s, missed_wakeups = %(missed_wakeups)s,
     claimed = %(claimed)s, completed = %(completed)s, failed = %(failed)s, stats = %(stats)s
@@ -409,6 +409,35 @@ SET status = 'pending',
 FROM ready
 WHERE m.id = ready.id
 RETURNING m.id;
+
+-- name: message_park_stage :one
+-- Park a running attempt of a stage that no live runner serves (waiting_capability, waiting for 'stage:pipeline/stage', for `wait` by the database clock), the attempt not counted; or, when a live runner other than `actor` now says it serves the stage (it started since the claim), give it back to pending for that runner. Returns the status it took.
+WITH served AS (
+    SELECT EXISTS (
+        SELECT FROM runners r
+        WHERE r.id <> %(actor)s AND r.stopped_at IS NULL
+          AND r.seen_at > coalesce(%(now)s::timestamptz, now()) - %(alive)s::interval
+          AND %(stage)s::text = ANY (r.serves)
+    ) AS elsewhere
+)
+UPDATE agent_messages m
+SET status = CASE WHEN served.elsewhere THEN 'pending'
+                  ELSE 'waiting_capability' END::message_status,
+    waiting_for = CASE WHEN served.elsewhere THEN NULL ELSE %(waiting_for)s END,
+    wait_expires_at = CASE WHEN served.elsewhere THEN NULL
+                           ELSE coalesce(%(now)s::timestamptz, now()) + %(wait)s::interval END,
+    attempts = greatest(m.attempts - 1, 0),
+    not_before = coalesce(%(now)s::timestamptz, now()),
+    lease_expires_at = NULL,
+    lease_token = NULL,
+    updated_at = coalesce(%(now)s::timestamptz, now()),
+    status_reason = CASE WHEN served.elsewhere
+                         THEN 'released: ' || %(stage)s::text || ' is served by another runner'
+                         ELSE %(reason)s END,
+    status_actor = %(actor)s
+FROM served
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.lease_expires_at IS NOT NULL
+RETURNING m.status;
 
 -- name: inference_call_insert :exec
 -- Record one model call against its message.

@@ -132,16 +132,45 @@ async def test_parked_work_of_a_stage_resumes_when_a_runner_serves_it(
     await _enqueue(bus, "acme", "chain", "a", 1, T0 - timedelta(minutes=1))
     taken = (await _claim(store, 10, None)).messages
     for m in taken:
-        assert await store.wait_stage(
-            m.lease, pipeline=m.pipeline, stage=m.stage, expires_at=T0 + timedelta(hours=1),
+        took = await store.wait_stage(
+            m.lease, pipeline=m.pipeline, stage=m.stage, wait=timedelta(hours=1),
             reason="no runner", actor="w", now=T0,
         )  # fmt: skip
+        assert took == "waiting_capability"
     parked = await bus.get("acme", taken[0].id)
     assert parked is not None and parked.status is MessageStatus.WAITING_CAPABILITY
     assert parked.attempts == 0  # the attempt is not counted
     assert parked.extra["waiting_for"] == f"stage:{parked.pipeline}/{parked.stage}"
+    assert parked.extra["wait_expires_at"] == T0 + timedelta(hours=1)
     # Another stage's runner resumes only its own.
     assert await store.resume_stages({("other", "a")}, actor="b", now=T0) == 2
     assert await store.resume_stages({("other", "a")}, actor="b", now=T0) == 0
     states = {(m.pipeline, (await bus.get("acme", m.id)).status) for m in taken}  # type: ignore[union-attr]
     assert states == {("other", MessageStatus.PENDING), ("chain", MessageStatus.WAITING_CAPABILITY)}
+
+
+async def test_work_claimed_before_its_runner_started_goes_back_to_it_not_parked(
+    db: Any, tenants: PgTenantStore
+) -> None:
+    bus, store = await _store(db, tenants)
+    await _enqueue(bus, "acme", "other", "a", 1, T0 - timedelta(minutes=1))
+    (m,) = (await _claim(store, 10, None)).messages
+    # The runner of other/a registers after this claim (its start-up resume found nothing
+    # parked), before the claimer parks it: given back for that runner, not parked.
+    await store.register_runner(_runner("b", {("other", "a")}, T0))
+    took = await store.wait_stage(
+        m.lease, pipeline="other", stage="a", wait=timedelta(hours=1), reason="no runner",
+        actor="w", now=T0,
+    )  # fmt: skip
+    assert took == "pending"
+    got = await bus.get("acme", m.id)
+    assert got is not None and got.status is MessageStatus.PENDING and got.attempts == 0
+    # The claimer's own registration does not count as another runner serving it.
+    (m,) = (await _claim(store, 10, None)).messages
+    await store.register_runner(_runner("w", {("other", "a")}, T0))
+    await store.register_runner(_runner("b", None, T0))
+    took = await store.wait_stage(
+        m.lease, pipeline="other", stage="a", wait=timedelta(hours=1), reason="no runner",
+        actor="w", now=T0,
+    )  # fmt: skip
+    assert took == "waiting_capability"
