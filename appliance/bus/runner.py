@@ -91,6 +91,15 @@ def _call_status(exc: BaseException) -> tuple[str, str]:
 _LOG_CHARS = 2000
 
 
+def _span(wait: timedelta) -> str:
+    """A wait as an operator reads it: 7 days, 2 h, 30 min, 45 s."""
+    seconds = wait.total_seconds()
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:g} {unit}"
+    return f"{seconds:g} s"
+
+
 def _describe(exc: BaseException) -> str:
     """`Type: message` for a failure's record, even when the exception's own str() fails."""
     try:
@@ -1215,7 +1224,7 @@ class Runner:
                 stage=message.stage,
                 wait=wait,
                 reason=f"waiting for a runner that serves {message.pipeline}.{message.stage}"
-                f" (no live runner does; for {wait} at most)",
+                f" (no live runner does; for {_span(wait)} at most)",
                 actor=self.config.worker_id,
                 now=None,
             )
@@ -1224,8 +1233,10 @@ class Runner:
             return
         if took == "pending":
             # A runner that serves the stage started since this claim: given back to it, and
-            # this runner learns to leave its stages alone now rather than at its next report.
+            # this runner leaves the stage alone from now (before the doorbell of the give-back
+            # wakes it), and learns the rest of that runner's stages.
             self.stats.released += 1
+            self._skip = self._skip | {(message.pipeline, message.stage)}
             await self._share_stages()
         elif took is not None:
             self.stats.parked_unserved += 1
@@ -1250,6 +1261,8 @@ class Runner:
             log.exception("could not read the stages other runners serve")
             return
         self._skip = elsewhere - self.registry.served
+        # A stage served again, and later not, is logged again when its work is parked.
+        self._unserved_seen -= elsewhere
 
     async def _resume_stages(self) -> None:
         """Resume work parked until a runner serves one of this runner's stages."""

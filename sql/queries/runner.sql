@@ -333,9 +333,11 @@ SET host = excluded.host, pid = excluded.pid, started_at = excluded.started_at,
     stats = '{}'::jsonb;
 
 -- name: runner_report :exec
--- A runner's periodic health report (`seen_at` NULL: the database clock).
+-- A runner's periodic health report (`seen_at` NULL: the database clock); a `stopped_at` given marks it stopped, at the database clock's time.
 UPDATE runners
-SET seen_at = coalesce(%(seen_at)s::timestamptz, now()), stopped_at = %(stopped_at)s,
+SET seen_at = coalesce(%(seen_at)s::timestamptz, now()),
+    stopped_at = CASE WHEN %(stopped_at)s::timestamptz IS NULL THEN NULL
+                      ELSE coalesce(%(seen_at)s::timestamptz, now()) END,
     listener_connected = %(listener_connected)s,
     last_missed_wakeup_at = %(last_missed_wakeup_at)s, missed_wakeups = %(missed_wakeups)s,
     claimed = %(claimed)s, completed = %(completed)s, failed = %(failed)s, stats = %(stats)s
@@ -427,7 +429,11 @@ SET status = CASE WHEN served.elsewhere THEN 'pending'
     wait_expires_at = CASE WHEN served.elsewhere THEN NULL
                            ELSE coalesce(%(now)s::timestamptz, now()) + %(wait)s::interval END,
     attempts = greatest(m.attempts - 1, 0),
-    not_before = coalesce(%(now)s::timestamptz, now()),
+    -- Given back, it keeps its place in line (as a release does); parked, it is due when
+    -- resumed, which sets not_before again.
+    not_before = CASE WHEN served.elsewhere
+                      THEN least(m.not_before, coalesce(%(now)s::timestamptz, now()))
+                      ELSE coalesce(%(now)s::timestamptz, now()) END,
     lease_expires_at = NULL,
     lease_token = NULL,
     updated_at = coalesce(%(now)s::timestamptz, now()),

@@ -165,6 +165,7 @@ async def test_work_claimed_before_its_runner_started_goes_back_to_it_not_parked
     assert took == "pending"
     got = await bus.get("acme", m.id)
     assert got is not None and got.status is MessageStatus.PENDING and got.attempts == 0
+    assert got.not_before == T0 - timedelta(minutes=1)  # its place in line kept
     # The claimer's own registration does not count as another runner serving it.
     (m,) = (await _claim(store, 10, None)).messages
     await store.register_runner(_runner("w", {("other", "a")}, T0))

@@ -46,6 +46,9 @@ SCALAR = {
     "status": "text",
     "waiting_for": "text",
     "expires_at": "timestamptz",
+    "stage": "text",
+    "wait": "interval",
+    "alive": "interval",
 }
 ARRAYS = {**SCALAR, "id": "bigint[]", "token": "bigint[]", "extend": "interval", "acks": "jsonb"}
 FENCED = {
@@ -55,6 +58,7 @@ FENCED = {
     "message_fail": SCALAR,
     "message_expire_running": SCALAR,
     "message_park": SCALAR,
+    "message_park_stage": SCALAR,
     "message_terminate": SCALAR,
     "message_defer": SCALAR,
 }
@@ -83,6 +87,9 @@ def values(name: str, leases: list[LeaseRef]) -> dict[str, Any]:
         "status": "waiting_capability",
         "waiting_for": "small",
         "expires_at": "infinity",
+        "stage": "p/s",
+        "wait": "1 hour",
+        "alive": "30 seconds",
     }
 
 
