@@ -1400,3 +1400,43 @@ async def test_waiting_work_is_resumed_when_a_tier_comes_up_not_after_every_mode
         tiers.changed()  # down and up again
         await settled()
         assert store.resumes == 3
+
+
+class _StartsBeforePark(PgRunnerStore):
+    """The store, registering a runner of the stage just before the first park (a runner that
+    started between the claim and the park)."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.parks = 0
+
+    async def wait_stage(self, lease: Any, **kw: Any) -> str | None:
+        self.parks += 1
+        if self.parks == 1:
+            await self.register_runner(
+                {
+                    "id": "theirs", "host": "h", "pid": 1, "started_at": datetime.now(UTC),
+                    "seen_at": None, "listener_connected": True,
+                    "serves": {(kw["pipeline"], kw["stage"])},
+                }
+            )  # fmt: skip
+        return await super().wait_stage(lease, **kw)
+
+
+async def test_work_given_back_to_a_runner_that_started_since_the_claim_is_left_to_it(
+    fresh_db: Endpoints,
+) -> None:
+    pipes = [Pipeline("quick", (Stage("run", quick),))]
+    config = RunnerConfig(worker_id="mine", concurrency=4, poll_interval=timedelta(seconds=1))
+    async with opened_as(fresh_db, pipes, _StartsBeforePark) as store:
+        bus = Bus(store)
+        async with serving(store, pipes, config, PgDoorbell(fresh_db.system)) as runner:
+            theirs = await bus.enqueue(**request(bus, "elsewhere", sid="e"))
+            mine = await bus.enqueue(**request(bus, "quick", sid="q"))
+            await wait_status(bus, mine.id, MessageStatus.DONE)
+            await asyncio.sleep(1.5)  # the give-back's doorbell and a fallback poll
+            got = await bus.get("acme", theirs.id)
+            assert got is not None and got.status is MessageStatus.PENDING
+            assert got.attempts == 0 and got.claimed_by == "mine"  # claimed once, given back
+            assert store.parks == 1  # not claimed again: its stage is skipped now
+            assert ("elsewhere", "run") in runner._skip
