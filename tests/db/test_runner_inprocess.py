@@ -1438,5 +1438,7 @@ async def test_work_given_back_to_a_runner_that_started_since_the_claim_is_left_
             got = await bus.get("acme", theirs.id)
             assert got is not None and got.status is MessageStatus.PENDING
             assert got.attempts == 0 and got.claimed_by == "mine"  # claimed once, given back
-            assert store.parks == 1  # not claimed again: its stage is skipped now
+            # Not claimed again and again: its stage is skipped now. Once more at most: a
+            # claim that the give-back's own doorbell started before the runner had its reply.
+            assert store.parks <= 2
             assert ("elsewhere", "run") in runner._skip
