@@ -1285,9 +1285,7 @@ class Runner:
         only: the lanes whose claims left model work behind for want of it are asked again
         (without a resume statement and an empty claim per lane after every model call)."""
         self._model_room_moves += 1
-        if self._short_of_model:
-            self._hint(*self._short_of_model)
-            self._short_of_model.clear()
+        if self._reask_short_of_model():
             self._wake.set()
         if self.inference is None:
             return
@@ -1377,15 +1375,22 @@ class Runner:
             # not asked again here: if its tenants were at their limit, the database still
             # counts this attempt until its outcome commits, and _finish asks again then.
             if attempt.tier is not None:
-                self._model_room_moves += 1
-            if attempt.tier is not None and self._short_of_model:
                 # Model work a claim left for want of room in the pool: room now (this
                 # attempt's place), and nothing else (doorbell, backlog) would ask again
                 # before the fallback poll.
-                self._hint(*self._short_of_model)
-                self._short_of_model.clear()
+                self._model_room_moves += 1
+                self._reask_short_of_model()
             if any(self.slots.free(lane) > 0 for lane in self._maybe):
                 self._wake.set()
+
+    def _reask_short_of_model(self) -> bool:
+        """Ask again the lanes whose last claim left model work behind for want of room in
+        the pool; whether there were any."""
+        if not self._short_of_model:
+            return False
+        self._hint(*self._short_of_model)
+        self._short_of_model.clear()
+        return True
 
     def _finish(self, attempt: _Attempt) -> None:
         if self._attempts.pop(attempt.lease.lease_token, None) is not None:

@@ -103,9 +103,17 @@ class PgRunnerStore(PgMessageStore):
         now: datetime | None = None,
     ) -> int:
         """Send messages waiting for any of `tiers` back to pending; how many (all batches)."""
-        if not tiers:
+        return await self._resume_waits([t.value for t in tiers], actor, batch, now)
+
+    async def _resume_waits(
+        self, waits: list[str], actor: str, batch: int, now: datetime | None
+    ) -> int:
+        """Send messages in waiting_capability whose `waiting_for` is one of `waits` (tier
+        names, or stage waits) back to pending, in bounded batches; how many."""
+        if not waits:
             return 0
-        params = {"tiers": [t.value for t in tiers], "actor": actor, "batch": batch, "now": now}
+        # The statement's parameter is named for its first use, tier names.
+        params = {"tiers": waits, "actor": actor, "batch": batch, "now": now}
         return await run_batches(self.db, "message_resume_capability", params)
 
     async def wait_stage(
@@ -141,11 +149,9 @@ class PgRunnerStore(PgMessageStore):
         now: datetime | None = None,
     ) -> int:
         """Send work parked until a runner serves one of `stages` back to pending; how many."""
-        if not stages:
-            return 0
-        waits = [stage_wait(p, s) for p, s in sorted(stages)]
-        params = {"tiers": waits, "actor": actor, "batch": batch, "now": now}
-        return await run_batches(self.db, "message_resume_capability", params)
+        return await self._resume_waits(
+            [stage_wait(p, s) for p, s in sorted(stages)], actor, batch, now
+        )
 
     async def stages_elsewhere(
         self, runner_id: str, *, now: datetime | None = None
