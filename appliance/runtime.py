@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from appliance.bus.core import Bus, BusConfig
 from appliance.bus.governor import Governor, GovernorConfig
-from appliance.bus.runner import Runner, RunnerConfig
+from appliance.bus.runner import Runner, RunnerConfig, default_worker_id
 from appliance.db.cluster import LocalCluster, find_bindir
 from appliance.db.database import Database, Endpoints
 from appliance.db.listener import PgDoorbell
@@ -336,6 +336,7 @@ async def configure_spend(settings: Settings, spend: PgSpendStore) -> None:
 def runner_config(settings: Settings) -> RunnerConfig:
     r = settings.runner
     return RunnerConfig(
+        worker_id=r.id if r.id is not None else default_worker_id(),
         concurrency=r.concurrency,
         reserved_interactive=r.reserved_interactive,
         reserved_system=r.reserved_system,

@@ -126,6 +126,10 @@ class BusSettings(_Section):
 class RunnerSettings(_Section):
     """One runner process: capacity by lane, fairness, leases, wake-ups, shutdown."""
 
+    # This runner's id, unique among live runners (the cockpit, the log's actors and the
+    # stages runners share go by it). Unset: host:pid, which collides where runners share a
+    # host name and their pids (containers on the host's network, each pid 1, say).
+    id: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^\S+$")
     concurrency: int = Field(default=8, ge=1, le=1024)
     reserved_interactive: int = Field(default=2, ge=0)
     reserved_system: int = Field(default=1, ge=0)

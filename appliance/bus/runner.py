@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from appliance.bus.claim_ahead import ClaimAhead
 from appliance.bus.governor import Admission, Governor
+from appliance.bus.runner_id import take_runner_id, taken_over
 from appliance.bus.slots import LaneSlots
 from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld
 from appliance.domain.envelope import (
@@ -57,7 +58,14 @@ from appliance.domain.inference import (
     route,
 )
 from appliance.domain.pipeline import Registry, Stage, StageContext, StageResult
-from appliance.domain.ports import AckOutcome, Completion, Doorbell, FailOutcome, RunnerStore
+from appliance.domain.ports import (
+    RUNNER_ALIVE,
+    AckOutcome,
+    Completion,
+    Doorbell,
+    FailOutcome,
+    RunnerStore,
+)
 from appliance.domain.retry import RetryPolicy
 
 log = logging.getLogger("appliance.runner")
@@ -325,6 +333,9 @@ class Runner:
         # Stages other live runners serve and this one does not: its claims leave them alone.
         self._skip: frozenset[tuple[str, str]] = frozenset()
         self._unserved_seen: set[tuple[str, str]] = set()  # stages whose parking was logged
+        # Set by run(): what stops this runner, and whether another runner took its id.
+        self._stop: asyncio.Event | None = None
+        self._taken_over = False
         self.started_at = self.clock()
         if inference is not None:
             inference.subscribe(self._inference_changed)
@@ -335,7 +346,14 @@ class Runner:
         """Serve until `stop` is set, then drain gracefully."""
         if self.doorbell is not None:
             await self.doorbell.start()
-        await self.store.register_runner({**self._info(), "serves": self.registry.served})
+        try:
+            await take_runner_id(self.store, {**self._info(), "serves": self.registry.served})
+        except BaseException:
+            if self.doorbell is not None:
+                with contextlib.suppress(Exception):
+                    await self.doorbell.close()
+            raise
+        self._stop = stop
         await self._share_stages()
         side = [
             asyncio.create_task(self._ack_loop(), name="acks"),
@@ -400,6 +418,8 @@ class Runner:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(5.0):
                         await self.doorbell.close()
+        if self._taken_over:
+            raise taken_over(self.config.worker_id)
 
     async def _serve(self, stop: asyncio.Event) -> None:
         """The main loop: wait for a reason, promote due work when asked, claim into free
@@ -1676,11 +1696,27 @@ class Runner:
             },
         }
 
+    def _displaced(self) -> None:
+        """Another runner has taken this one's id (this one was silent past RUNNER_ALIVE and
+        taken as gone): it stops, as on SIGTERM, and run() then raises RunnerIdInUse, rather
+        than serve under an id whose stages are now another's."""
+        log.error(
+            "runner id %s has been taken over by another runner (this one did not report "
+            "for %.0f s and was taken as gone); stopping",
+            self.config.worker_id,
+            RUNNER_ALIVE.total_seconds(),
+        )
+        self._taken_over = True
+        if self._stop is not None:
+            self._stop.set()
+
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.report_every.total_seconds())
             try:
-                await self.store.report_runner(self._info())
+                if not await self.store.report_runner(self._info()):
+                    self._displaced()
+                    return
                 # Work parked by any runner resumes here too once a tier it waits for is up,
                 # or once this runner serves its stage; and the stages other runners serve
                 # are learnt afresh (one started or stopped).

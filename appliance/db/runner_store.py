@@ -25,7 +25,7 @@ from appliance.db.queries import q
 from appliance.domain.envelope import LeaseRef, storable_text
 from appliance.domain.inference import CallRecord, Tier
 from appliance.domain.pipeline import Pipeline
-from appliance.domain.ports import BusStatus, RunnerInfo
+from appliance.domain.ports import RUNNER_ALIVE, BusStatus, IdHolder, RunnerInfo
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,6 @@ log = logging.getLogger(__name__)
 # acknowledgement held them at that moment.
 RETIER_ATTEMPTS = 100
 RETIER_PAUSE_S = 0.05
-# A runner is alive while it reported within this and did not say it stopped (reports come
-# every few seconds).
-RUNNER_ALIVE = timedelta(seconds=30)
 # What a message waits for when no live runner serves its stage: 'stage:pipeline/stage'
 # (a tier's wait names the tier).
 STAGE_WAIT_PREFIX = "stage:"
@@ -362,19 +359,44 @@ class PgRunnerStore(PgMessageStore):
 
     # -- runner health --------------------------------------------------------------------------
 
-    async def register_runner(self, info: dict[str, Any]) -> None:
+    async def register_runner(
+        self, info: dict[str, Any], *, take_over: bool = False
+    ) -> IdHolder | None:
         """Record a runner at its start; `info["serves"]`: the (pipeline, stage) pairs it
-        serves (absent: it does not say, and no claim skips for it)."""
-        serves = info.get("serves")
-        params = {**info, "serves": None if serves is None else stage_array(frozenset(serves))}
-        async with self.db.system_conn() as conn:
-            await conn.execute(q("runner_register"), params)
+        serves (absent: it does not say, and no claim skips for it).
 
-    async def report_runner(self, info: dict[str, Any]) -> None:
+        Returns None when recorded; else the live runner that holds the id (one that reported
+        within RUNNER_ALIVE and did not stop), and nothing is written. Two runners under one
+        id would each read the other's stages as its own and skip none of them. `take_over`:
+        record it all the same (the caller found the holder gone)."""
+        serves = info.get("serves")
+        params = {
+            **info,
+            "serves": None if serves is None else stage_array(frozenset(serves)),
+            "alive": RUNNER_ALIVE,
+            "take_over": take_over,
+        }
+        async with self.db.system_conn() as conn:
+            taken = await (await conn.execute(q("runner_register"), params)).fetchone()
+            if taken is not None:
+                return None
+            row = await (
+                await conn.execute(
+                    q("runner_holder"), {"id": info["id"], "now": info.get("seen_at")}
+                )
+            ).fetchone()
+        if row is None:  # deleted (pruned) between the two statements: free again
+            return await self.register_runner(info, take_over=take_over)
+        return IdHolder(row["host"], row["pid"], row["started_at"], float(row["seen_age_s"]))
+
+    async def report_runner(self, info: dict[str, Any]) -> bool:
+        """Write a runner's health report; False when another runner has taken its id over
+        (nothing written)."""
         params = {**info, "stats": Jsonb(info.get("stats", {}))}
         params.setdefault("stopped_at", None)
         async with self.db.system_conn() as conn:
-            await conn.execute(q("runner_report"), params)
+            row = await (await conn.execute(q("runner_report"), params)).fetchone()
+        return row is not None
 
     async def runners(self, *, now: datetime | None = None) -> list[RunnerInfo]:
         async with self.db.system_conn() as conn:

@@ -45,3 +45,15 @@ class MigrationError(ApplianceError):
 
 class DatabaseUnavailable(ApplianceError):
     """The database cannot be reached (not started, not migrated, wrong address)."""
+
+
+class RunnerIdInUse(ConfigurationError):
+    """A runner id that another live runner holds: two runners under one id would each take
+    the other's stages for its own."""
+
+    def __init__(self, runner_id: str, problem: str) -> None:
+        super().__init__(
+            f"runner id {runner_id!r} {problem}: give this runner another id (runner.id, "
+            "APPLIANCE_RUNNER__ID) or stop the other"
+        )
+        self.runner_id = runner_id

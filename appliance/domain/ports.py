@@ -96,6 +96,21 @@ class LaneCounts:
     deferred: int = 0
 
 
+# A runner is alive while it reported within this and did not say it stopped (reports come
+# every few seconds).
+RUNNER_ALIVE = timedelta(seconds=30)
+
+
+@dataclass(frozen=True)
+class IdHolder:
+    """The live runner that holds a runner id another one asked for."""
+
+    host: str
+    pid: int
+    started_at: datetime
+    seen_age_s: float
+
+
 @dataclass(frozen=True)
 class RunnerInfo:
     """One runner as it last reported itself."""
@@ -297,9 +312,11 @@ class RunnerStore(MessageStore, Protocol):
         now: datetime | None,
     ) -> bool: ...
 
-    async def register_runner(self, info: dict[str, Any]) -> None: ...
+    async def register_runner(
+        self, info: dict[str, Any], *, take_over: bool = False
+    ) -> IdHolder | None: ...
 
-    async def report_runner(self, info: dict[str, Any]) -> None: ...
+    async def report_runner(self, info: dict[str, Any]) -> bool: ...
 
 
 class SpendStore(Protocol):

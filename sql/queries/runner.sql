@@ -320,8 +320,8 @@ stamped AS (
 )
 SELECT (SELECT count(*) FROM stale) AS stale, (SELECT count(*) FROM stamped) AS stamped;
 
--- name: runner_register :exec
--- Record a runner at start, with the stages it serves ('pipeline/stage' each) (a restart with the same id starts afresh). `seen_at` NULL: the database clock, the one liveness is judged by.
+-- name: runner_register :one
+-- Record a runner at start, with the stages it serves ('pipeline/stage' each). `seen_at` NULL: the database clock, the one liveness is judged by. An id is taken only from a runner that stopped, went quiet (no report within `alive`) or is this same one (host, pid and start); with `take_over`, from any (the caller found its holder gone). No row back: a live runner holds the id.
 INSERT INTO runners AS r (id, host, pid, started_at, seen_at, listener_connected, serves)
 VALUES (%(id)s, %(host)s, %(pid)s, %(started_at)s,
         coalesce(%(seen_at)s::timestamptz, now()), %(listener_connected)s, %(serves)s::text[])
@@ -330,10 +330,22 @@ SET host = excluded.host, pid = excluded.pid, started_at = excluded.started_at,
     seen_at = excluded.seen_at, stopped_at = NULL, listener_connected = excluded.listener_connected,
     serves = excluded.serves,
     last_missed_wakeup_at = NULL, missed_wakeups = 0, claimed = 0, completed = 0, failed = 0,
-    stats = '{}'::jsonb;
+    stats = '{}'::jsonb
+WHERE r.stopped_at IS NOT NULL
+   OR r.seen_at < excluded.seen_at - %(alive)s::interval
+   OR (r.host = excluded.host AND r.pid = excluded.pid AND r.started_at = excluded.started_at)
+   OR %(take_over)s::boolean
+RETURNING r.id;
 
--- name: runner_report :exec
--- A runner's periodic health report (`seen_at` NULL: the database clock); a `stopped_at` given marks it stopped, at the database clock's time.
+-- name: runner_holder :one
+-- Who holds a runner id, with the age of its last report by the given clock (the database's when NULL).
+SELECT host, pid, started_at,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - seen_at)::float8 AS seen_age_s
+FROM runners
+WHERE id = %(id)s;
+
+-- name: runner_report :one
+-- A runner's periodic health report (`seen_at` NULL: the database clock); a `stopped_at` given marks it stopped, at the database clock's time. Fenced by host, pid and start: no row back when another runner has taken the id over.
 UPDATE runners
 SET seen_at = coalesce(%(seen_at)s::timestamptz, now()),
     stopped_at = CASE WHEN %(stopped_at)s::timestamptz IS NULL THEN NULL
@@ -341,7 +353,8 @@ SET seen_at = coalesce(%(seen_at)s::timestamptz, now()),
     listener_connected = %(listener_connected)s,
     last_missed_wakeup_at = %(last_missed_wakeup_at)s, missed_wakeups = %(missed_wakeups)s,
     claimed = %(claimed)s, completed = %(completed)s, failed = %(failed)s, stats = %(stats)s
-WHERE id = %(id)s;
+WHERE id = %(id)s AND host = %(host)s AND pid = %(pid)s AND started_at = %(started_at)s
+RETURNING id;
 
 -- name: runner_list :many
 -- Runners seen in the last day, newest first, with their ages by the database clock.

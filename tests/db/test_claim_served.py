@@ -9,9 +9,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from appliance.bus.core import Bus
-from appliance.db.runner_store import RUNNER_ALIVE, PgRunnerStore
+from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.envelope import Lane, MessageStatus
+from appliance.domain.ports import RUNNER_ALIVE
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 OTHERS = frozenset({("other", "a"), ("chain", "b")})

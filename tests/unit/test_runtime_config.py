@@ -155,3 +155,18 @@ def test_the_context_limit_stays_under_what_one_statement_can_carry(
     monkeypatch.setenv("APPLIANCE_BUS__CONTEXT_MAX_BYTES", str(64 * 2**20 + 1))
     with pytest.raises(ValidationError, match="context_max_bytes"):
         Settings()
+
+
+def test_the_runner_id_is_read_from_the_environment_and_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+    import socket
+
+    assert runner_config(Settings()).worker_id == f"{socket.gethostname()}:{os.getpid()}"
+    monkeypatch.setenv("APPLIANCE_RUNNER__ID", "box-a")
+    assert runner_config(Settings()).worker_id == "box-a"
+    monkeypatch.setenv("APPLIANCE_RUNNER__ID", "box a")  # the cockpit and logs split on spaces
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    assert "runner.id" in settings_error_text(e.value)
