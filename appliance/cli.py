@@ -364,7 +364,7 @@ def status_text(st: BusStatus) -> str:
         for pipeline, of_pipeline in st.stages.items():
             for stage, counts in of_pipeline.items():
                 shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-                lines.append(f"  {pipeline + '.' + stage:<28} {shown}")
+                lines.append(f"  {pipeline + '/' + stage:<28} {shown}")
     return "\n".join(lines)
 
 

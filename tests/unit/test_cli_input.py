@@ -41,3 +41,18 @@ def test_plain_amounts_are_taken_exactly() -> None:
 def test_alert_fractions_lie_within_the_cap(fractions: list[object]) -> None:
     with pytest.raises(ValidationError, match="alert_fractions"):
         SpendSettings(alert_fractions=fractions)  # type: ignore[arg-type]
+
+
+def test_the_status_text_keeps_dotted_pipeline_and_stage_names_apart() -> None:
+    from datetime import UTC, datetime
+
+    from appliance.cli import status_text
+    from appliance.domain.envelope import Lane, MessageStatus
+    from appliance.domain.ports import BusStatus, LaneCounts
+
+    lanes = {lane: LaneCounts({s: 0 for s in MessageStatus}, None, None) for lane in Lane}
+    stages = {"a.b": {"c": {"pending": 1}}, "a": {"b.c": {"done": 2}}}
+    text = status_text(BusStatus(datetime(2026, 12, 1, tzinfo=UTC), lanes, 1, stages=stages))
+    # Names may hold dots but never a slash: each pair reads one way only.
+    assert "a.b/c " in text and "a/b.c " in text
+    assert "a.b.c" not in text
