@@ -342,6 +342,30 @@ $$;
 ALTER FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) OWNER TO appliance_owner;
 
 --
+-- Name: cancel_message(bigint, text, text, timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.cancel_message(p_id bigint, p_reason text, p_actor text, p_now timestamp with time zone) RETURNS SETOF bigint
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
+    AS $$
+    UPDATE agent_messages
+    SET status = 'cancelled',
+        deferred = false,
+        lease_expires_at = NULL,
+        finished_at = coalesce(p_now, now()),
+        updated_at = coalesce(p_now, now()),
+        status_reason = p_reason,
+        status_actor = p_actor
+    WHERE id = p_id
+      AND tenant = current_tenant()
+      AND status NOT IN ('done', 'cancelled', 'expired')
+    RETURNING id
+$$;
+
+ALTER FUNCTION appliance.cancel_message(p_id bigint, p_reason text, p_actor text, p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
 -- Name: claimable(timestamp with time zone, text, text, text[], timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -781,6 +805,44 @@ END
 $$;
 
 ALTER FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer) OWNER TO appliance_owner;
+
+--
+-- Name: redrive_messages(bigint[], text, timestamp with time zone, boolean); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.redrive_messages(p_ids bigint[], p_actor text, p_now timestamp with time zone, p_clear_deadline boolean) RETURNS TABLE(id bigint, moved boolean)
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
+    AS $$
+    WITH moved AS (
+        UPDATE agent_messages m
+        SET status = 'pending',
+            deadline = CASE WHEN p_clear_deadline AND m.deadline <= coalesce(p_now, now())
+                            THEN NULL ELSE m.deadline END,
+            attempts = 0,
+            not_before = coalesce(p_now, now()),
+            deferred = false,
+            finished_at = NULL,
+            updated_at = coalesce(p_now, now()),
+            status_reason = 'redriven',
+            status_actor = p_actor
+        WHERE m.status = 'dead'
+          AND m.tenant = current_tenant()
+          AND (p_ids IS NULL OR m.id = ANY (p_ids))
+          AND (p_clear_deadline OR m.deadline IS NULL OR m.deadline > coalesce(p_now, now()))
+        RETURNING m.id
+    )
+    SELECT moved.id, true FROM moved
+    UNION ALL
+    -- As of the statement's snapshot, so never a row moved above (it had no passed deadline).
+    SELECT m.id, false FROM agent_messages m
+    WHERE m.status = 'dead' AND NOT p_clear_deadline
+      AND m.tenant = current_tenant()
+      AND (p_ids IS NULL OR m.id = ANY (p_ids))
+      AND m.deadline <= coalesce(p_now, now())
+$$;
+
+ALTER FUNCTION appliance.redrive_messages(p_ids bigint[], p_actor text, p_now timestamp with time zone, p_clear_deadline boolean) OWNER TO appliance_owner;
 
 --
 -- Name: refresh_planner_stats(bigint, double precision); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
@@ -2530,6 +2592,13 @@ REVOKE ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time z
 GRANT ALL ON FUNCTION appliance.archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone) TO appliance_system;
 
 --
+-- Name: FUNCTION cancel_message(p_id bigint, p_reason text, p_actor text, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.cancel_message(p_id bigint, p_reason text, p_actor text, p_now timestamp with time zone) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.cancel_message(p_id bigint, p_reason text, p_actor text, p_now timestamp with time zone) TO appliance_app;
+
+--
 -- Name: FUNCTION claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
@@ -2577,6 +2646,13 @@ GRANT ALL ON FUNCTION appliance.purge_idempotency_keys(p_now timestamp with time
 
 REVOKE ALL ON FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.purge_run_budgets(p_now timestamp with time zone, p_idle interval, p_batch integer) TO appliance_system;
+
+--
+-- Name: FUNCTION redrive_messages(p_ids bigint[], p_actor text, p_now timestamp with time zone, p_clear_deadline boolean); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.redrive_messages(p_ids bigint[], p_actor text, p_now timestamp with time zone, p_clear_deadline boolean) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.redrive_messages(p_ids bigint[], p_actor text, p_now timestamp with time zone, p_clear_deadline boolean) TO appliance_app;
 
 --
 -- Name: FUNCTION refresh_planner_stats(p_min_pages bigint, p_growth double precision); Type: ACL; Schema: appliance; Owner: appliance_owner
@@ -2643,7 +2719,7 @@ REVOKE ALL ON FUNCTION appliance.upkeep_window_start(p_name text, p_table regcla
 -- Name: TABLE agent_messages; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT,INSERT,UPDATE ON TABLE appliance.agent_messages TO appliance_app;
+GRANT SELECT,INSERT ON TABLE appliance.agent_messages TO appliance_app;
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.agent_messages TO appliance_system;
 
 --

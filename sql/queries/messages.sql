@@ -79,18 +79,8 @@ WHERE m.id = %(id)s;
 SELECT id, status, lease_token FROM agent_messages WHERE id = ANY(%(ids)s::bigint[]);
 
 -- name: message_cancel :one
--- Cancel a message in any non-terminal state; a running holder learns it at its next heartbeat or write.
-UPDATE agent_messages
-SET status = 'cancelled',
-    deferred = false,
-    lease_expires_at = NULL,
-    finished_at = coalesce(%(now)s::timestamptz, now()),
-    updated_at = coalesce(%(now)s::timestamptz, now()),
-    status_reason = %(reason)s,
-    status_actor = %(actor)s
-WHERE id = %(id)s
-  AND status NOT IN ('done', 'cancelled', 'expired')
-RETURNING id;
+-- Cancel a message of the transaction's tenant in any non-terminal state; a running holder learns it at its next heartbeat or write. A function (migration 0035): the tenant's role may not update envelope rows itself.
+SELECT c.id FROM cancel_message(%(id)s, %(reason)s, %(actor)s, %(now)s::timestamptz) AS c(id);
 
 -- name: message_expire_deadline :many
 -- Expire waiting or pending messages whose deadline, or whose wait's own expiry, has passed (a bounded batch), instead of running them late.
@@ -235,33 +225,10 @@ SELECT count(*) AS promoted,
 FROM promoted;
 
 -- name: message_redrive :many
--- Send dead messages back to pending with fresh attempts (all of the tenant's dead ones when `ids` is NULL); one past its deadline only with `clear_deadline` (which removes it): otherwise it would be reported redriven, then expire unrun. Rows: (id, moved), the ones left for their deadline with moved = false.
-WITH moved AS (
-UPDATE agent_messages
-SET status = 'pending',
-    deadline = CASE WHEN %(clear_deadline)s::boolean
-                         AND deadline <= coalesce(%(now)s::timestamptz, now())
-                    THEN NULL ELSE deadline END,
-    attempts = 0,
-    not_before = coalesce(%(now)s::timestamptz, now()),
-    deferred = false,
-    finished_at = NULL,
-    updated_at = coalesce(%(now)s::timestamptz, now()),
-    status_reason = 'redriven',
-    status_actor = %(actor)s
-WHERE status = 'dead'
-  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-  AND (%(clear_deadline)s::boolean OR deadline IS NULL
-       OR deadline > coalesce(%(now)s::timestamptz, now()))
-RETURNING id
-)
-SELECT id, true AS moved FROM moved
-UNION ALL
--- As of the statement's snapshot, so never a row moved above (it had no passed deadline).
-SELECT id, false FROM agent_messages
-WHERE status = 'dead' AND NOT %(clear_deadline)s::boolean
-  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-  AND deadline <= coalesce(%(now)s::timestamptz, now());
+-- Send the transaction's tenant's dead messages back to pending with fresh attempts (all of its dead ones when `ids` is NULL); one past its deadline only with `clear_deadline` (which removes it): otherwise it would be reported redriven, then expire unrun. Rows: (id, moved), the ones left for their deadline with moved = false. A function (migration 0035): the tenant's role may not update envelope rows itself.
+SELECT r.id, r.moved
+FROM redrive_messages(%(ids)s::bigint[], %(actor)s, %(now)s::timestamptz,
+                      %(clear_deadline)s::boolean) AS r;
 
 -- name: bus_overdue :one
 -- Work past an expiry that the maintenance has not moved yet (each counted up to 10,000, on its partial index): leases expired, deferred work due but not promoted, work past its deadline, waits past their expiry. Non-zero for long means no runner's maintenance is running.

@@ -74,13 +74,18 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
         assert await _count(conn, "idempotency_keys") == 5
         assert await _count(conn, "message_transitions") == 10  # enqueued + claimed
         cur = await conn.execute(
-            "UPDATE agent_messages SET priority = 7 WHERE id = ANY(%s) RETURNING id", (theirs,)
-        )
-        assert await cur.fetchall() == []
-        cur = await conn.execute(
             "UPDATE idempotency_keys SET hits = 99 WHERE tenant = 'globex' RETURNING key"
         )
         assert await cur.fetchall() == []
+    # Envelope rows are not the tenant role's to update at all, not even its own (migration
+    # 0035): cancel and redrive are functions held to its tenant. With the grant, it could
+    # finish its running work without a lease, or move it to another lane.
+    for where in (theirs, ids["acme"]):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="agent_messages"):
+            async with db.tenant_tx("acme") as conn:
+                await conn.execute(
+                    "UPDATE agent_messages SET priority = 7 WHERE id = ANY(%s)", (where,)
+                )
     # Writing a row for another tenant is refused, not silently dropped.
     request = bus.request(
         tenant="globex", pipeline="demo", stage="x", source="t", source_id="evil", directive="d"
@@ -102,12 +107,16 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
 
 
 async def test_no_tenant_set_sees_nothing_and_writes_nothing(bus: Bus, db: Database) -> None:
-    await _seed(bus)
+    ids = await _seed(bus)
     async with db.app_pool.connection() as conn:
         for table in TABLES:
             assert await _count(conn, table) == 0
-        cur = await conn.execute("UPDATE agent_messages SET priority = 3")
-        assert cur.rowcount == 0
+        # The tenant's writes, with no tenant set: nothing changes.
+        for mid in ids["acme"]:
+            cur = await conn.execute("SELECT * FROM cancel_message(%s, 'x', 'x', NULL)", (mid,))
+            assert await cur.fetchall() == []
+        cur = await conn.execute("SELECT * FROM redrive_messages(NULL, 'x', NULL, true)")
+        assert await cur.fetchall() == []
         # Empty (a reset SET LOCAL leaves '') is the same as unset: fail closed.
         async with conn.transaction():
             await conn.execute("SELECT set_config('appliance.tenant', '', true)")
@@ -334,12 +343,12 @@ async def test_temporary_tables_cannot_stand_in_for_the_appliances_own(
         )
         # Session-wide: this connection is the test's own.
         await conn.execute("SELECT set_config('appliance.tenant', 'acme', false)")
+        # The tenant's cancel runs as the owner (migration 0035), and so does the trigger it
+        # fires: neither may read the shadows.
         await conn.execute(
-            "UPDATE appliance.agent_messages SET status = 'cancelled', finished_at = now(),"
-            " status_reason = 'by hand', status_actor = 'x' WHERE id = %s",
-            (mine,),
+            "SELECT * FROM appliance.cancel_message(%s, 'by hand', 'x', NULL)", (mine,)
         )
-        with pytest.raises(psycopg.errors.CheckViolation, match="cancelled -> done"):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
             await conn.execute(
                 "UPDATE appliance.agent_messages SET status = 'done',"
                 " status_reason = 'forged' WHERE id = %s",
