@@ -498,25 +498,37 @@ async def cmd_runner(settings: Settings, args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     # SIGUSR1 prints every asyncio task's stack to the log: how to see what a runner waits on.
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
-    await run_runner(settings, stop)
-    # A handler that ignores cancellation was abandoned (its lease lapses or was already
-    # settled), but asyncio.run would wait for its task forever: the stop must end.
-    stuck = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
-    if stuck:
-        for task in stuck:
-            task.cancel()
-        _, pending = await asyncio.wait(stuck, timeout=2.0)
-        if pending:
-            logging.getLogger("appliance.runner").error(
-                "exiting with %d tasks that ignore cancellation: %s",
-                len(pending),
-                ", ".join(sorted(t.get_name() for t in pending)),
-            )
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+    try:
+        await run_runner(settings, stop)
+    except BaseException as exc:
+        await _end_stuck_tasks(exc)
+        raise
+    await _end_stuck_tasks(None)
     return 0
+
+
+async def _end_stuck_tasks(failure: BaseException | None) -> None:
+    """A handler that ignores cancellation was abandoned (its lease lapses or was already
+    settled), but asyncio.run would wait for its task forever: the stop must end, also when
+    the runner ends in an error (reported here, since the process then ends at once)."""
+    stuck = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+    if not stuck:
+        return
+    for task in stuck:
+        task.cancel()
+    _, pending = await asyncio.wait(stuck, timeout=2.0)
+    if pending:
+        logging.getLogger("appliance.runner").error(
+            "exiting with %d tasks that ignore cancellation: %s",
+            len(pending),
+            ", ".join(sorted(t.get_name() for t in pending)),
+        )
+        if failure is not None:
+            print(f"error: {failure}", file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if failure is None else 2)
 
 
 async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:

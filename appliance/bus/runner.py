@@ -337,6 +337,9 @@ class Runner:
         self._stop: asyncio.Event | None = None
         self._taken_over = False
         self.started_at = self.clock()
+        # Read once: reports are fenced by host, pid and start, and a host renamed while the
+        # runner runs must not make its own reports look like another runner's.
+        self._host = socket.gethostname()
         if inference is not None:
             inference.subscribe(self._inference_changed)
 
@@ -346,13 +349,16 @@ class Runner:
         """Serve until `stop` is set, then drain gracefully."""
         if self.doorbell is not None:
             await self.doorbell.start()
+        taken = False
         try:
-            await take_runner_id(self.store, {**self._info(), "serves": self.registry.served})
-        except BaseException:
-            if self.doorbell is not None:
+            info = {**self._info(), "serves": self.registry.served}
+            taken = await take_runner_id(self.store, info, stop)
+        finally:
+            if not taken and self.doorbell is not None:
                 with contextlib.suppress(Exception):
                     await self.doorbell.close()
-            raise
+        if not taken:
+            return  # stopped while it waited for its id
         self._stop = stop
         await self._share_stages()
         side = [
@@ -1664,7 +1670,7 @@ class Runner:
     def _info(self) -> dict[str, Any]:
         return {
             "id": self.config.worker_id,
-            "host": socket.gethostname(),
+            "host": self._host,
             "pid": os.getpid(),
             "started_at": self.started_at,
             # The database's clock: liveness (which stages other runners skip) is judged by

@@ -3,60 +3,65 @@ or when the runner goes quiet.
 
 Other runners read the stages a runner serves by its id; two live runners under one id would
 each take the other's stages for their own and skip none of them. So a runner that finds its
-id held by a live runner refuses to start, unless that holder is a process of this host that
-has exited (a restart under a configured id, before the dead one's reports have aged out).
+id held by a runner that has not stopped waits for that holder's reports to age out (it died
+without stopping: a restart under a configured id), and refuses to start as soon as the holder
+reports again (it is alive). Only the database's clock and the holder's own reports decide:
+pids and host names say nothing reliable across containers that share a host name.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import socket
 from typing import Any
 
-import psutil
-
 from appliance.domain.errors import RunnerIdInUse
-from appliance.domain.ports import RUNNER_ALIVE, IdHolder, RunnerStore
+from appliance.domain.ports import RUNNER_ALIVE, RunnerStore
 
 log = logging.getLogger(__name__)
 
-# Process start times and the runner's own started_at come from different reads of the same
-# clock; a process that began more than this after the holder's start is not the holder.
-_START_SLACK_S = 1.0
+# How often a runner waiting for an id asks again. A live holder reports every few seconds
+# (RunnerConfig.report_every), so it is recognised within one of its report periods.
+ASK_EVERY_S = 1.0
 
 
-def holder_gone_here(holder: IdHolder, *, host: str | None = None) -> bool:
-    """Whether the holder was a process of this host that no longer runs (its pid is free, or
-    now belongs to a process started after the holder)."""
-    if holder.host != (host if host is not None else socket.gethostname()):
-        return False  # another machine's process: only its silence tells
-    try:
-        started = psutil.Process(holder.pid).create_time()
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False  # there, but not ours to inspect: taken as alive
-    return started > holder.started_at.timestamp() + _START_SLACK_S
-
-
-async def take_runner_id(store: RunnerStore, info: dict[str, Any]) -> None:
-    """Register the runner described by `info`, or raise RunnerIdInUse naming the live holder
-    of its id."""
+async def take_runner_id(
+    store: RunnerStore, info: dict[str, Any], stop: asyncio.Event, *, ask_every: float = ASK_EVERY_S
+) -> bool:
+    """Register the runner described by `info`; False if `stop` was set while it waited for a
+    silent holder to age out. Raises RunnerIdInUse when the holder reports meanwhile."""
     holder = await store.register_runner(info)
-    if holder is not None and holder_gone_here(holder):
-        log.warning(
-            "runner id %s was held by pid %d of this host, which has exited; taking it over",
-            info["id"],
-            holder.pid,
-        )
-        holder = await store.register_runner(info, take_over=True)
-    if holder is not None:
-        raise RunnerIdInUse(
-            info["id"],
-            f"is held by a live runner (host {holder.host}, pid {holder.pid}, last report "
-            f"{holder.seen_age_s:.0f} s ago; one that died without stopping gives its id up "
-            f"{RUNNER_ALIVE.total_seconds():.0f} s after its last report)",
-        )
+    first = holder
+    while holder is not None:
+        if first is not None and (
+            holder.reported_at != first.reported_at
+            or (holder.host, holder.pid, holder.started_at)
+            != (first.host, first.pid, first.started_at)
+        ):
+            # It reported since (or another runner took the id meanwhile): alive.
+            raise RunnerIdInUse(
+                info["id"],
+                f"is held by a live runner (host {holder.host}, pid {holder.pid}, "
+                f"started {holder.started_at.isoformat(timespec='seconds')})",
+            )
+        if holder is first:
+            log.warning(
+                "runner id %s is held by host %s pid %d, which last reported %.0f s ago and "
+                "did not stop: waiting up to %.0f s for it to report again (alive: this runner "
+                "refuses to start) or to go quiet (it died: this runner takes the id over)",
+                info["id"],
+                holder.host,
+                holder.pid,
+                holder.seen_age_s,
+                max(0.0, RUNNER_ALIVE.total_seconds() - holder.seen_age_s),
+            )
+        try:
+            await asyncio.wait_for(stop.wait(), ask_every)
+            return False
+        except TimeoutError:
+            pass
+        holder = await store.register_runner(info)
+    return True
 
 
 def taken_over(runner_id: str) -> RunnerIdInUse:

@@ -359,35 +359,41 @@ class PgRunnerStore(PgMessageStore):
 
     # -- runner health --------------------------------------------------------------------------
 
-    async def register_runner(
-        self, info: dict[str, Any], *, take_over: bool = False
-    ) -> IdHolder | None:
+    async def register_runner(self, info: dict[str, Any]) -> IdHolder | None:
         """Record a runner at its start; `info["serves"]`: the (pipeline, stage) pairs it
         serves (absent: it does not say, and no claim skips for it).
 
         Returns None when recorded; else the live runner that holds the id (one that reported
         within RUNNER_ALIVE and did not stop), and nothing is written. Two runners under one
-        id would each read the other's stages as its own and skip none of them. `take_over`:
-        record it all the same (the caller found the holder gone)."""
+        id would each read the other's stages as its own and skip none of them."""
         serves = info.get("serves")
         params = {
             **info,
             "serves": None if serves is None else stage_array(frozenset(serves)),
             "alive": RUNNER_ALIVE,
-            "take_over": take_over,
         }
-        async with self.db.system_conn() as conn:
-            taken = await (await conn.execute(q("runner_register"), params)).fetchone()
-            if taken is not None:
-                return None
-            row = await (
-                await conn.execute(
-                    q("runner_holder"), {"id": info["id"], "now": info.get("seen_at")}
+        # A holder that stops or goes quiet between the two statements frees the id: ask
+        # again (a few times; each loss is another runner's registration in between).
+        for _ in range(5):
+            async with self.db.system_conn() as conn:
+                taken = await (await conn.execute(q("runner_register"), params)).fetchone()
+                if taken is not None:
+                    return None
+                row = await (
+                    await conn.execute(
+                        q("runner_holder"),
+                        {"id": info["id"], "now": info.get("seen_at"), "alive": RUNNER_ALIVE},
+                    )
+                ).fetchone()
+            if row is not None:
+                return IdHolder(
+                    row["host"],
+                    row["pid"],
+                    row["started_at"],
+                    row["seen_at"],
+                    float(row["seen_age_s"]),
                 )
-            ).fetchone()
-        if row is None:  # deleted (pruned) between the two statements: free again
-            return await self.register_runner(info, take_over=take_over)
-        return IdHolder(row["host"], row["pid"], row["started_at"], float(row["seen_age_s"]))
+        raise RuntimeError(f"runner id {info['id']!r}: registration kept racing other runners")
 
     async def report_runner(self, info: dict[str, Any]) -> bool:
         """Write a runner's health report; False when another runner has taken its id over

@@ -108,6 +108,7 @@ class IdHolder:
     host: str
     pid: int
     started_at: datetime
+    reported_at: datetime  # its last report, by the database's clock
     seen_age_s: float
 
 
@@ -312,9 +313,7 @@ class RunnerStore(MessageStore, Protocol):
         now: datetime | None,
     ) -> bool: ...
 
-    async def register_runner(
-        self, info: dict[str, Any], *, take_over: bool = False
-    ) -> IdHolder | None: ...
+    async def register_runner(self, info: dict[str, Any]) -> IdHolder | None: ...
 
     async def report_runner(self, info: dict[str, Any]) -> bool: ...
 

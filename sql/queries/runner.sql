@@ -321,7 +321,7 @@ stamped AS (
 SELECT (SELECT count(*) FROM stale) AS stale, (SELECT count(*) FROM stamped) AS stamped;
 
 -- name: runner_register :one
--- Record a runner at start, with the stages it serves ('pipeline/stage' each). `seen_at` NULL: the database clock, the one liveness is judged by. An id is taken only from a runner that stopped, went quiet (no report within `alive`) or is this same one (host, pid and start); with `take_over`, from any (the caller found its holder gone). No row back: a live runner holds the id.
+-- Record a runner at start, with the stages it serves ('pipeline/stage' each). `seen_at` NULL: the database clock, the one liveness is judged by. An id is taken only from a runner that stopped, went quiet (no report within `alive`) or is this same one (host, pid and start). No row back: a live runner holds the id.
 INSERT INTO runners AS r (id, host, pid, started_at, seen_at, listener_connected, serves)
 VALUES (%(id)s, %(host)s, %(pid)s, %(started_at)s,
         coalesce(%(seen_at)s::timestamptz, now()), %(listener_connected)s, %(serves)s::text[])
@@ -334,15 +334,16 @@ SET host = excluded.host, pid = excluded.pid, started_at = excluded.started_at,
 WHERE r.stopped_at IS NOT NULL
    OR r.seen_at < excluded.seen_at - %(alive)s::interval
    OR (r.host = excluded.host AND r.pid = excluded.pid AND r.started_at = excluded.started_at)
-   OR %(take_over)s::boolean
 RETURNING r.id;
 
 -- name: runner_holder :one
--- Who holds a runner id, with the age of its last report by the given clock (the database's when NULL).
-SELECT host, pid, started_at,
+-- The live runner (not stopped, reported within `alive`) that holds a runner id, with its last report and that report's age by the given clock (the database's when NULL).
+SELECT host, pid, started_at, seen_at,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - seen_at)::float8 AS seen_age_s
 FROM runners
-WHERE id = %(id)s;
+WHERE id = %(id)s
+  AND stopped_at IS NULL
+  AND seen_at >= coalesce(%(now)s::timestamptz, now()) - %(alive)s::interval;
 
 -- name: runner_report :one
 -- A runner's periodic health report (`seen_at` NULL: the database clock); a `stopped_at` given marks it stopped, at the database clock's time. Fenced by host, pid and start: no row back when another runner has taken the id over.

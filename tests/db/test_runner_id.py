@@ -1,21 +1,19 @@
 """A runner id held by one live runner at a time: the registration that refuses a live holder's
-id, takes over a stopped, silent or exited one's, the report fenced to the id's holder, and a
-runner that stops when its id was taken over."""
+id and takes over a stopped or silent one's, a start that waits for a holder that did not stop
+to report (alive: refused) or to go quiet (taken over), the report fenced to the id's holder,
+and a runner that stops when its id was taken over."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from appliance.bus.runner import Runner, RunnerConfig
-from appliance.bus.runner_id import holder_gone_here
+from appliance.bus.runner_id import take_runner_id
 from appliance.db.database import Endpoints
 from appliance.db.runner_store import PgRunnerStore
 from appliance.domain.errors import RunnerIdInUse
@@ -51,13 +49,10 @@ async def test_a_live_runner_keeps_its_id(db: Any) -> None:
     assert await store.register_runner(first) is None
     # Another runner asks for the id 20 s after the holder's last report: refused, unchanged.
     holder = await store.register_runner(_info("b", 2, T0, T0 + timedelta(seconds=20)))
-    assert holder == IdHolder("a", 1, T0, 20.0)
+    assert holder == IdHolder("a", 1, T0, T0, 20.0)
     assert await _row(store) == ("a", 1, None)
     # The holder itself, registering again (the same host, pid and start): its own.
     assert await store.register_runner(first) is None
-    # Asked with take_over (its caller found the holder gone): taken.
-    assert await store.register_runner(_info("b", 2, T0, T0), take_over=True) is None
-    assert await _row(store) == ("b", 2, None)
 
 
 async def test_an_id_is_taken_from_a_runner_that_stopped_or_went_quiet(db: Any) -> None:
@@ -86,20 +81,49 @@ async def test_a_report_of_a_runner_whose_id_was_taken_over_writes_nothing(db: A
     assert await store.report_runner(_info("b", 2, later, later))
 
 
-def test_a_holder_is_gone_only_when_its_process_on_this_host_is() -> None:
-    here = socket.gethostname()
-    exited = subprocess.Popen([sys.executable, "-c", "pass"])
-    exited.wait()
-    long_ago = datetime(2000, 1, 1, tzinfo=UTC)
-    now = datetime.now(UTC)
-    # Another host's runner: only its silence tells.
-    assert not holder_gone_here(IdHolder(here + "-elsewhere", exited.pid, now, 0.0))
-    # A pid of this host that no process has now.
-    assert holder_gone_here(IdHolder(here, exited.pid, now, 0.0))
-    # A live process that started before the holder did: taken as the holder.
-    assert not holder_gone_here(IdHolder(here, os.getpid(), now, 0.0))
-    # A live process that started after the holder: the pid was reused, the holder is gone.
-    assert holder_gone_here(IdHolder(here, os.getpid(), long_ago, 0.0))
+async def _age_report(store: PgRunnerStore, runner_id: str, seconds: float) -> None:
+    async with store.db.system_conn() as conn:
+        await conn.execute(
+            "UPDATE runners SET seen_at = now() - make_interval(secs => %s) WHERE id = %s",
+            (seconds, runner_id),
+        )
+
+
+async def test_a_start_waits_for_a_holder_that_did_not_stop_to_go_quiet(db: Any) -> None:
+    store = PgRunnerStore(db)
+    assert await store.register_runner(_info("a", 1, T0, None)) is None
+    # It died without stopping 29 s ago: a restart under the id waits the last second out.
+    await _age_report(store, "r1", RUNNER_ALIVE.total_seconds() - 1)
+    taker = _info("b", 2, T0, None)
+    taken = await asyncio.wait_for(take_runner_id(store, taker, asyncio.Event(), ask_every=0.1), 10)
+    assert taken and await _row(store) == ("b", 2, None)
+
+
+async def test_a_start_is_refused_when_the_holder_reports_meanwhile(db: Any) -> None:
+    store = PgRunnerStore(db)
+    holder = _info("a", 1, T0, None)
+    assert await store.register_runner(holder) is None
+    await _age_report(store, "r1", 10)
+    waiting = asyncio.create_task(
+        take_runner_id(store, _info("b", 2, T0, None), asyncio.Event(), ask_every=0.05)
+    )
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # not refused on a report 10 s old: it may have died
+    assert await store.report_runner(holder)  # alive after all
+    with pytest.raises(RunnerIdInUse, match="held by a live runner"):
+        await asyncio.wait_for(waiting, 10)
+    assert await _row(store) == ("a", 1, None)
+
+
+async def test_a_start_waiting_for_its_id_ends_on_stop(db: Any) -> None:
+    store = PgRunnerStore(db)
+    assert await store.register_runner(_info("a", 1, T0, None)) is None
+    stop = asyncio.Event()
+    waiting = asyncio.create_task(take_runner_id(store, _info("b", 2, T0, None), stop, ask_every=5))
+    await asyncio.sleep(0.2)
+    stop.set()
+    assert await asyncio.wait_for(waiting, 5) is False
+    assert await _row(store) == ("a", 1, None)
 
 
 async def _idle(ctx: StageContext) -> StageResult:
@@ -148,15 +172,17 @@ async def test_a_runner_whose_id_was_taken_over_stops_with_that_error(
     fresh_db: Endpoints,
 ) -> None:
     async with opened(fresh_db, PIPES) as store:
-        runner = Runner(store, Registry(PIPES), _config(report_every=timedelta(seconds=0.1)))
+        runner = Runner(store, Registry(PIPES), _config())
         stop = asyncio.Event()
         task = asyncio.create_task(runner.run(stop))
         await asyncio.sleep(0.3)
         assert not task.done()
         # Another runner took the id while this one was (taken as) silent.
-        now = datetime.now(UTC)
-        taker = _info("elsewhere", 4242, now, None, id="shared")
-        assert await store.register_runner(taker, take_over=True) is None
+        async with store.db.system_conn() as conn:
+            await conn.execute(
+                "UPDATE runners SET host = 'elsewhere', pid = 4242, started_at = now(),"
+                " seen_at = now() WHERE id = 'shared'"
+            )
         with pytest.raises(RunnerIdInUse, match="taken over"):
             await asyncio.wait_for(task, 20)
         assert stop.is_set()

@@ -48,6 +48,25 @@ async def _seed(bus: Bus) -> dict[str, list[int]]:
     return ids
 
 
+async def _dead(bus: Bus, tenant: str) -> int:
+    """A message of `tenant` that failed its only attempt (dead: redrive's to move)."""
+    (res,) = await bus.enqueue_many(
+        [
+            bus.request(
+                tenant=tenant, pipeline="demo", stage="intake", source="t", source_id="dies",
+                directive="work", max_attempts=1, priority=1000,
+            )
+        ],
+        now=T0,
+    )  # fmt: skip
+    (claimed,) = await bus.claim("w", tenant=tenant, limit=1, now=T0)
+    assert claimed.id == res.id
+    await bus.store.fail(claimed.lease, error="x", retry_delay=timedelta(0), actor="w", now=T0)
+    got = await bus.get(tenant, res.id)
+    assert got is not None and got.status is MessageStatus.DEAD
+    return res.id
+
+
 async def _count(conn: Any, table: str) -> int:
     row = await (await conn.execute(f"SELECT count(*) AS n FROM {table}")).fetchone()
     assert row is not None
@@ -62,8 +81,11 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
         assert await bus.get("acme", mid) is None
         assert await bus.store.transitions("acme", mid) == []  # type: ignore[attr-defined]
         assert not await bus.cancel("acme", mid)
-    assert await bus.redrive("acme", theirs) == Redrive([], [])
+    dead = await _dead(bus, "globex")
+    assert await bus.redrive("acme", [*theirs, dead]) == Redrive([], [])
     assert await bus.redrive("acme") == Redrive([], [])
+    got = await bus.get("globex", dead)
+    assert got is not None and got.status is MessageStatus.DEAD
     # A tenant-scoped claim only ever leases the tenant's own work.
     got = await bus.claim("w", tenant="acme", limit=100, now=T0)
     assert {m.tenant for m in got} == {"acme"}
@@ -103,11 +125,12 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
                 " FROM agent_messages WHERE tenant = 'globex'"
             )
         ).fetchone()
-    assert row is not None and row["p"] == 0 and row["n"] == 5
+    assert row is not None and row["p"] == 0 and row["n"] == 6  # 5 seeded + the dead one
 
 
 async def test_no_tenant_set_sees_nothing_and_writes_nothing(bus: Bus, db: Database) -> None:
     ids = await _seed(bus)
+    dead = await _dead(bus, "acme")
     async with db.app_pool.connection() as conn:
         for table in TABLES:
             assert await _count(conn, table) == 0
@@ -117,10 +140,16 @@ async def test_no_tenant_set_sees_nothing_and_writes_nothing(bus: Bus, db: Datab
             assert await cur.fetchall() == []
         cur = await conn.execute("SELECT * FROM redrive_messages(NULL, 'x', NULL, true)")
         assert await cur.fetchall() == []
+        cur = await conn.execute(
+            "SELECT * FROM redrive_messages(ARRAY[%s]::bigint[], 'x', NULL, true)", (dead,)
+        )
+        assert await cur.fetchall() == []
         # Empty (a reset SET LOCAL leaves '') is the same as unset: fail closed.
         async with conn.transaction():
             await conn.execute("SELECT set_config('appliance.tenant', '', true)")
             assert await _count(conn, "agent_messages") == 0
+    got = await bus.get("acme", dead)
+    assert got is not None and got.status is MessageStatus.DEAD
 
 
 async def test_tenant_setting_does_not_leak_to_the_next_pool_user(bus: Bus, db: Database) -> None:
@@ -316,6 +345,24 @@ async def test_a_tenant_claim_reads_none_of_another_tenants_backlog(
     assert read <= 20, read
 
 
+async def _shadow_the_log(conn: Any) -> None:
+    """Temporary tables named like the log and the life cycle: every move allowed, and a log
+    that would swallow a forged one."""
+    await conn.execute(
+        "CREATE TEMPORARY TABLE message_transitions (LIKE appliance.message_transitions)"
+    )
+    await conn.execute("ALTER TABLE message_transitions ALTER id DROP NOT NULL")
+    await conn.execute(
+        "CREATE TEMPORARY TABLE message_status_transitions AS"
+        " SELECT a AS from_status, b AS to_status"
+        " FROM unnest(enum_range(NULL::message_status)) a,"
+        " unnest(enum_range(NULL::message_status)) b"
+    )
+    await conn.execute(
+        "GRANT ALL ON message_transitions, message_status_transitions TO appliance_owner"
+    )
+
+
 async def test_temporary_tables_cannot_stand_in_for_the_appliances_own(
     bus: Bus, db: Database
 ) -> None:
@@ -327,20 +374,7 @@ async def test_temporary_tables_cannot_stand_in_for_the_appliances_own(
     async with await psycopg.AsyncConnection.connect(
         db.endpoints.app, options=RUNTIME_OPTIONS, autocommit=True, row_factory=dict_row
     ) as conn:
-        # Every move allowed, and a log that would swallow the forged one.
-        await conn.execute(
-            "CREATE TEMPORARY TABLE message_transitions (LIKE appliance.message_transitions)"
-        )
-        await conn.execute("ALTER TABLE message_transitions ALTER id DROP NOT NULL")
-        await conn.execute(
-            "CREATE TEMPORARY TABLE message_status_transitions AS"
-            " SELECT a AS from_status, b AS to_status"
-            " FROM unnest(enum_range(NULL::message_status)) a,"
-            " unnest(enum_range(NULL::message_status)) b"
-        )
-        await conn.execute(
-            "GRANT ALL ON message_transitions, message_status_transitions TO appliance_owner"
-        )
+        await _shadow_the_log(conn)
         # Session-wide: this connection is the test's own.
         await conn.execute("SELECT set_config('appliance.tenant', 'acme', false)")
         # The tenant's cancel runs as the owner (migration 0035), and so does the trigger it
@@ -358,6 +392,18 @@ async def test_temporary_tables_cannot_stand_in_for_the_appliances_own(
             await conn.execute("SELECT count(*) AS n FROM pg_temp.message_transitions")
         ).fetchone()
         assert shadow is not None and shadow["n"] == 0
+    # The machinery's role may update envelope rows: with the same shadows, the trigger still
+    # checks its move against the real life cycle.
+    async with await psycopg.AsyncConnection.connect(
+        db.endpoints.system, options=RUNTIME_OPTIONS, autocommit=True, row_factory=dict_row
+    ) as conn:
+        await _shadow_the_log(conn)
+        with pytest.raises(psycopg.errors.CheckViolation, match="cancelled -> done"):
+            await conn.execute(
+                "UPDATE appliance.agent_messages SET status = 'done',"
+                " status_reason = 'forged' WHERE id = %s",
+                (mine,),
+            )
     log = await bus.store.transitions("acme", mine)  # type: ignore[attr-defined]
     assert [(t["from_status"], t["to_status"]) for t in log] == [
         (None, "pending"),
