@@ -84,8 +84,8 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
     dead = await _dead(bus, "globex")
     assert await bus.redrive("acme", [*theirs, dead]) == Redrive([], [])
     assert await bus.redrive("acme") == Redrive([], [])
-    got = await bus.get("globex", dead)
-    assert got is not None and got.status is MessageStatus.DEAD
+    still = await bus.get("globex", dead)
+    assert still is not None and still.status is MessageStatus.DEAD
     # A tenant-scoped claim only ever leases the tenant's own work.
     got = await bus.claim("w", tenant="acme", limit=100, now=T0)
     assert {m.tenant for m in got} == {"acme"}
