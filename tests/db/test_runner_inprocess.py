@@ -330,6 +330,39 @@ async def test_work_no_live_runner_serves_waits_parked_for_one_that_does(running
         await wait_status(bus, newer.id, MessageStatus.DONE)
 
 
+async def test_unserved_work_waits_as_long_as_the_stage_wait_and_a_stopping_runner_leaves_it(
+    fresh_db: Endpoints,
+) -> None:
+    mine = [Pipeline("quick", (Stage("run", quick),))]
+    theirs = [Pipeline("elsewhere", (Stage("run", quick),))]
+    async with opened(fresh_db, mine + theirs) as store:
+        bus = Bus(store)
+        config = RunnerConfig(
+            worker_id="mine",
+            concurrency=4,
+            poll_interval=timedelta(seconds=5),
+            stage_wait=timedelta(minutes=3),
+        )
+        async with serving(store, mine, config, PgDoorbell(fresh_db.system)):
+            parked = await bus.enqueue(**request(bus, "elsewhere"))
+            await wait_status(bus, parked.id, MessageStatus.WAITING_CAPABILITY)
+        got = await bus.get("acme", parked.id)
+        assert got is not None
+        # The runner's stage wait, from the moment of parking (the database's clock).
+        assert got.extra["wait_expires_at"] - got.updated_at == timedelta(minutes=3)
+        # A runner of that stage that is stopping does not resume it: it would not claim it,
+        # and the others would still leave it to this runner.
+        runner = Runner(store, Registry(theirs), replace(config, worker_id="theirs"))
+        runner._mark_stopping()
+        await runner._resume_stages()
+        got = await bus.get("acme", parked.id)
+        assert got is not None and got.status is MessageStatus.WAITING_CAPABILITY
+        runner._stopping = False
+        await runner._resume_stages()
+        got = await bus.get("acme", parked.id)
+        assert got is not None and got.status is MessageStatus.PENDING
+
+
 class _GatedClaims(PgRunnerStore):
     """The store, holding every claim until `gate` opens."""
 

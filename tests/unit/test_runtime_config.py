@@ -170,3 +170,18 @@ def test_the_runner_id_is_read_from_the_environment_and_checked(
     with pytest.raises(ValidationError) as e:
         Settings()
     assert "runner.id" in settings_error_text(e.value)
+
+
+def test_the_waits_for_a_tier_and_for_a_runner_of_a_stage_are_read_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = runner_config(Settings())
+    assert config.stage_wait == timedelta(days=7) and config.capability_wait == timedelta(hours=1)
+    monkeypatch.setenv("APPLIANCE_RUNNER__STAGE_WAIT_SECONDS", "180")
+    monkeypatch.setenv("APPLIANCE_RUNNER__CAPABILITY_WAIT_SECONDS", "90")
+    config = runner_config(Settings())
+    assert config.stage_wait == timedelta(minutes=3)
+    assert config.capability_wait == timedelta(seconds=90)
+    monkeypatch.setenv("APPLIANCE_RUNNER__STAGE_WAIT_SECONDS", "0")
+    with pytest.raises(ValidationError, match="stage_wait_seconds"):
+        Settings()
