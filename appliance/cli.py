@@ -39,6 +39,7 @@ from appliance.domain.errors import (
     InvalidInput,
     UnknownTenant,
 )
+from appliance.domain.pipeline import Pipeline
 from appliance.domain.ports import BusStatus
 from appliance.pipelines.registry import BUILT_IN
 from appliance.pipelines.support import SAMPLE_TICKETS
@@ -165,19 +166,15 @@ async def cmd_tenant(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _declare_pipeline(settings: Settings, svc: Services, name: str) -> None:
-    """Write the stage graph of a pipeline this appliance declares when no runner has yet, so
-    that work submitted before the first runner started gets its stage's lane, tier and
-    attempts (not the bus defaults). A graph already written is left as the runner wrote it."""
+def _declared_pipeline(settings: Settings, name: str) -> Pipeline | None:
+    """The pipeline of that name this appliance declares (its runners' settings), if any."""
     try:
         pipelines, _ = load_pipelines(settings)
     except Exception as exc:
         # An extra module that does not load must not stop a submit: the built-ins still can.
         print(f"warning: the declared pipelines cannot be loaded ({exc})", file=sys.stderr)
         pipelines = [BUILT_IN[n] for n in settings.runner.pipelines if n in BUILT_IN]
-    declared = [p for p in pipelines if p.name == name]
-    if declared:
-        await svc.store.sync_pipelines(declared, only_new=True)
+    return next((p for p in pipelines if p.name == name), None)
 
 
 async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
@@ -205,17 +202,23 @@ async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
         request = svc.bus.request(**fields)
         if not await svc.tenants.exists(args.tenant):
             raise UnknownTenant(args.tenant)
-        await _declare_pipeline(settings, svc, args.pipeline)
+        # The stage graph as a runner wrote it; else as this appliance declares it, written
+        # now (once the stage is known to be in it), so that work submitted before the first
+        # runner started gets its stage's lane, tier and attempts (not the bus defaults).
         stages = await svc.store.stages_of(args.pipeline)
-        if stages and args.stage not in stages:
+        declared = None if stages else _declared_pipeline(settings, args.pipeline)
+        known = stages or (sorted(s.name for s in declared.stages) if declared else [])
+        if known and args.stage not in known:
             # A declared pipeline: a typo'd stage would wait for a runner that serves it, which
             # none ever will, until its wait expires. A pipeline never declared is taken as it
             # comes.
             raise InvalidInput(
                 "stage",
                 f"unknown stage {args.stage!r} of pipeline {args.pipeline}"
-                f" (one of: {', '.join(stages)})",
+                f" (one of: {', '.join(known)})",
             )
+        if declared is not None:
+            await svc.store.sync_pipelines([declared], only_new=True)
         (result,) = await svc.bus.enqueue_many([request])
         print(f"{result.id} {'new' if result.new else 'duplicate'}", flush=True)
         if not result.new:

@@ -320,6 +320,14 @@ def test_work_submitted_before_any_runner_gets_its_stages_lane_and_tier(
             "SELECT count(*) FROM appliance.pipeline_stages WHERE pipeline = 'demo'"
         ).fetchone()
     assert demo == (0,)
+    # A mistyped stage of a pipeline not yet written is refused, and writes nothing either.
+    typo = run(env, "submit", "--tenant", "acme", "--pipeline", "demo", "--stage", "intak",
+               "--source", "cli", "--source-id", "3", "--directive", "d", check=False)  # fmt: skip
+    assert typo.returncode == 2, typo.stderr
+    assert "(one of: enrich, intake, publish)" in typo.stderr
+    with psycopg.connect(fresh_db.admin) as conn:
+        stages = conn.execute("SELECT count(*) FROM appliance.pipeline_stages").fetchone()
+    assert stages == (0,)
     for pipeline, stage in (("demo", "enrich"), ("support", "classify")):
         run(env, "submit", "--tenant", "acme", "--pipeline", pipeline, "--stage", stage,
             "--source", "cli", "--source-id", "1", "--directive", "d")  # fmt: skip
