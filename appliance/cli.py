@@ -81,7 +81,10 @@ def _read_context(text: str | None, max_bytes: int) -> Any:
             raise InvalidInput("context", f"cannot read {path}: {exc.strerror}") from None
         if len(data) > max_bytes:
             raise InvalidInput("context", f"{path} is over the limit of {max_bytes} bytes")
-        return decode_context(data, max_bytes)
+        try:
+            return decode_context(data, max_bytes)
+        except InvalidInput as exc:
+            raise InvalidInput("context", f"{path}: {exc.problem}") from None
     return decode_context(text, max_bytes)
 
 
@@ -91,6 +94,13 @@ def _read_context(text: str | None, max_bytes: int) -> Any:
 def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
     cluster = local_cluster(settings)
     action = args.db_action
+    if action in ("migrate", "dump-schema", "psql"):
+        # A stopped or missing database: one line that says how to start it, not the client
+        # library's (or psql's) own words alone.
+        try:
+            check_server(endpoints(settings).admin)
+        except DatabaseUnavailable as exc:
+            raise DatabaseUnavailable(f"{exc} (the local one: appliance db start)") from None
     if action == "migrate":
         report = migrate(endpoints(settings).admin)
         print(
@@ -148,7 +158,8 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
         elif not st.initialized:
             state = "not initialised (appliance db start creates it)"
         print(f"database: {state}; data {st.data_dir}; socket {st.socket_dir}; port {st.port}")
-        return 0 if st.running else 3
+        # Refused: not the appliance's database, however it runs.
+        return 0 if st.running and not cluster.foreign() else 3
     return 0
 
 
@@ -622,9 +633,15 @@ def build_parser() -> argparse.ArgumentParser:
     dbs.add_parser("migrate", help="apply pending migrations (idempotent)")
     dump = dbs.add_parser("dump-schema", help="print the migrated schema (sql/schema.sql)")
     dump.add_argument("--output", help="write here instead of standard output")
-    psql = dbs.add_parser("psql", help="an interactive psql on the appliance database")
+    psql = dbs.add_parser(
+        "psql",
+        help="an interactive psql on the appliance database (psql's own options after --: "
+        "appliance db psql -- -Atc 'SELECT 1')",
+    )
     psql.add_argument("--role", choices=["admin", "app", "system"], default="admin")
-    psql.add_argument("psql_args", nargs=argparse.REMAINDER, help="passed to psql")
+    psql.add_argument(
+        "psql_args", nargs=argparse.REMAINDER, help="passed to psql (after --, for its options)"
+    )
 
     tenant = sub.add_parser("tenant", help="register and list tenants")
     ts = tenant.add_subparsers(dest="tenant_action", required=True)

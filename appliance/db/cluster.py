@@ -70,6 +70,9 @@ _UNSAFE_PATH_CHARS = ',"$`\\\n'
 # Held (flock) while a command creates, starts or stops the cluster: two `appliance db start`
 # at once would otherwise race initdb's scratch folder and the pid file.
 _LOCK_FILE = ".cluster.lock"
+# What a PostgreSQL data directory holds: a state directory with one of these is someone's
+# cluster, not a place for the appliance's.
+_DATA_DIR_SIGNS = ("PG_VERSION", "postmaster.pid")
 _LOCK_WAIT_S = 120.0
 
 
@@ -80,7 +83,9 @@ def find_bindir(override: str | Path | None = None) -> Path:
     then the Debian layout ``/usr/lib/postgresql/<version>/bin``, newest version first.
     """
     if override is not None and str(override) != "":
-        path = Path(override)
+        # Absolute: the tools run from / (a relative folder would pass this check from the
+        # current one and then not be found).
+        path = Path(override).absolute()
         missing = [name for name in _REQUIRED_BINARIES if not _is_executable(path / name)]
         if missing:
             raise ClusterError(
@@ -536,6 +541,7 @@ class LocalCluster:
     @contextlib.contextmanager
     def _flocked(self) -> Iterator[None]:
         path = self.state_dir / _LOCK_FILE
+        self._refuse_data_dir_as_state()  # before the lock file lands in someone's cluster
         try:
             _mkdirs(self.state_dir)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -568,7 +574,11 @@ class LocalCluster:
                 os.close(fd)  # releases the lock
 
     def foreign(self) -> bool:
-        """Whether the data directory holds something the appliance did not create."""
+        """Whether the data directory holds something the appliance did not create, or the
+        state directory is itself another cluster's data directory (the appliance's own would
+        nest inside it)."""
+        if any(os.path.lexists(self.state_dir / name) for name in _DATA_DIR_SIGNS):
+            return True
         if self.initialized() or not os.path.lexists(self.data_dir):
             return False
         try:
@@ -576,7 +586,16 @@ class LocalCluster:
         except OSError as exc:
             raise ClusterError(f"cannot inspect {self.data_dir}: {exc}") from exc
 
+    def _refuse_data_dir_as_state(self) -> None:
+        if any(os.path.lexists(self.state_dir / name) for name in _DATA_DIR_SIGNS):
+            raise ClusterError(
+                f"refusing to use {self.state_dir} as the state directory: it is a PostgreSQL "
+                "data directory (it holds PG_VERSION or postmaster.pid); point the appliance "
+                "at another state directory"
+            )
+
     def _refuse_foreign(self) -> None:
+        self._refuse_data_dir_as_state()
         if self.foreign():
             raise ClusterError(
                 f"refusing to touch {self.data_dir}: not created by the appliance (no {MARKER}); "

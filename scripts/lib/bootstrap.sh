@@ -95,6 +95,11 @@ ensure_postgres() {
   if compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
     return 0
   fi
+  # Where the appliance looks first (appliance/db/cluster.py find_bindir): a server installed
+  # elsewhere needs no Debian package (which would also create and start a cluster of its own).
+  if command -v pg_config >/dev/null 2>&1 && [ -x "$(pg_config --bindir 2>/dev/null)/initdb" ]; then
+    return 0
+  fi
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     log "installing PostgreSQL server binaries (Debian package postgresql)"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq

@@ -193,6 +193,19 @@ def test_refuses_foreign_data_dir(reachable_dir: Path) -> None:
     assert sorted(p.name for p in c.data_dir.iterdir()) == ["PG_VERSION"]
 
 
+def test_refuses_a_state_dir_that_is_another_clusters_data_dir(reachable_dir: Path) -> None:
+    # Its own cluster would nest inside: pg/, run/, log/ and a lock file in someone's PGDATA.
+    theirs = reachable_dir / "pgdata"
+    theirs.mkdir()
+    (theirs / "PG_VERSION").write_text("15\n")
+    c = _fast_cluster(theirs)
+    for step in (c.start, c.init, c.stop):
+        with pytest.raises(ClusterError, match="is a PostgreSQL data directory"):
+            step()
+    assert c.foreign()
+    assert sorted(p.name for p in theirs.iterdir()) == ["PG_VERSION"]
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="the traversal fallback only applies when run as root")
 def test_fallback_when_parent_blocks_postgres_user(
     reachable_dir: Path, caplog: pytest.LogCaptureFixture
@@ -357,9 +370,13 @@ def test_stop_of_a_state_dir_that_does_not_exist_says_so_and_makes_nothing(
     assert not typo.exists()
 
 
-def test_find_bindir(reachable_dir: Path) -> None:
+def test_find_bindir(reachable_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert find_bindir() == Path("/usr/lib/postgresql/15/bin")
     assert find_bindir(BINDIR) == BINDIR
+    # Relative to the current folder, made absolute: the tools run from /.
+    assert BINDIR is not None
+    monkeypatch.chdir(BINDIR.parent)
+    assert find_bindir(BINDIR.name) == BINDIR
     with pytest.raises(ClusterError, match=str(reachable_dir)) as err:
         find_bindir(reachable_dir)
     assert "initdb" in str(err.value)

@@ -154,8 +154,16 @@ def test_context_file_that_is_not_utf8_is_named(env: dict[str, str], tmp_path: P
         "--source-id", "1", "--directive", "d", "--context", f"@{bad}", check=False,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "context: is not UTF-8 text (byte 13" in proc.stderr
+    assert f"context: {bad}: is not UTF-8 text (byte 13" in proc.stderr
     assert "Traceback" not in proc.stderr
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+    proc = run(
+        env, "submit", "--tenant", "acme", "--pipeline", "p", "--stage", "s", "--source", "c",
+        "--source-id", "1", "--directive", "d", "--context", f"@{empty}", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert f"context: {empty}: is not valid JSON" in proc.stderr, proc.stderr
 
 
 def test_operator_commands_say_what_they_did_not_do(env: dict[str, str]) -> None:
