@@ -135,10 +135,12 @@ class Bus:
         tenant: str | None = None,
         now: datetime | None = None,
     ) -> list[Message]:
-        """Lease up to `limit` messages, strict by lane."""
+        """Lease up to `limit` messages of `lanes`, strict by lane: interactive, system, batch,
+        whatever order `lanes` names them in (batch work never goes ahead of interactive)."""
+        wanted = {parse_lane(lane) for lane in lanes}
         return await self.store.claim(
             worker=worker,
-            lanes=[parse_lane(lane) for lane in lanes],
+            lanes=[lane for lane in ALL_LANES if lane in wanted],
             limit=limit,
             lease=lease_duration_ok(lease if lease is not None else self.config.lease),
             tenant=tenant,

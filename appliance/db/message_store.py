@@ -76,7 +76,10 @@ async def run_batches(db: Database, name: str, params: dict[str, Any]) -> int:
 
 
 def _ack(applied: bool, status: str | None, same_lease: bool | None) -> AckOutcome:
-    if applied:
+    """A completion's answer. Done under the same lease is a retried completion (its first
+    commit's answer was lost with the connection): applied, by that first one, not a lost
+    lease; a completion must be safe to send again."""
+    if applied or (same_lease and status == MessageStatus.DONE):
         return AckOutcome.APPLIED
     if same_lease and status == MessageStatus.CANCELLED:
         return AckOutcome.CANCELLED

@@ -145,7 +145,7 @@ WHERE m.id = victims.id
 RETURNING m.id;
 
 -- name: message_reclaim :many
--- Return running messages whose lease expired (by the database clock unless `now` is given) to pending after a retry's backoff (`retry_base` doubled per attempt, at most `retry_cap`, half-jittered, as a failed attempt's), or to dead when attempts are used up; a bounded batch.
+-- Return running messages whose lease expired (by the database clock unless `now` is given) to pending after a retry's backoff (`retry_base` doubled per attempt, at most `retry_cap`, half-jittered, as a failed attempt's), to dead when attempts are used up, or to expired when the message's deadline has passed; a bounded batch.
 WITH stuck AS MATERIALIZED (
     SELECT id FROM agent_messages
     WHERE status = 'running'
@@ -155,14 +155,16 @@ WITH stuck AS MATERIALIZED (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE agent_messages m
-SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
+SET status = CASE WHEN m.deadline <= coalesce(%(now)s::timestamptz, now()) THEN 'expired'
+                  WHEN m.attempts >= m.max_attempts THEN 'dead'
                   ELSE 'pending' END::message_status,
     -- Backed off like a failed attempt (domain/retry.py): a message whose handler takes its
     -- worker down (a native crash in the model, memory) would otherwise be taken again at
     -- once by the next runner, and take that one down too, as fast as leases lapse. Dead
     -- rows keep not_before as of now (nothing waits for it).
     not_before = coalesce(%(now)s::timestamptz, now())
-        + CASE WHEN m.attempts >= m.max_attempts THEN interval '0'
+        + CASE WHEN m.attempts >= m.max_attempts
+                    OR m.deadline <= coalesce(%(now)s::timestamptz, now()) THEN interval '0'
                -- In seconds, capped before it becomes an interval (as in retry.py).
                ELSE interval '1 second'
                     * least(extract(epoch FROM %(retry_base)s::interval)
@@ -171,17 +173,22 @@ SET status = CASE WHEN m.attempts >= m.max_attempts THEN 'dead'
                             extract(epoch FROM %(retry_cap)s::interval))
                     * (0.5 + 0.5 * random()) END,
     -- Out of the claim's index until due (migration 0020): the promoter puts it back.
-    deferred = m.attempts < m.max_attempts,
+    deferred = m.attempts < m.max_attempts
+               AND NOT coalesce(m.deadline <= coalesce(%(now)s::timestamptz, now()), false),
     lease_expires_at = NULL,
     lease_token = NULL,
     -- Says which way it ran out: "went silent" was also written of a live worker whose
     -- handler overran, or that could not reach the database.
-    error = CASE WHEN m.run_deadline <= m.lease_expires_at
+    error = CASE WHEN m.deadline <= coalesce(%(now)s::timestamptz, now())
+                 THEN 'lease expired past the message''s deadline (worker '
+                      || coalesce(m.claimed_by, '?') || '): expired, not retried'
+                 WHEN m.run_deadline <= m.lease_expires_at
                  THEN 'lease expired at its run deadline (the handler on worker '
                       || coalesce(m.claimed_by, '?') || ' ran past the stage''s maximum runtime)'
                  ELSE 'lease expired (worker ' || coalesce(m.claimed_by, '?')
                       || ' stopped renewing it: it died, stalled or lost the database)' END,
     finished_at = CASE WHEN m.attempts >= m.max_attempts
+                            OR m.deadline <= coalesce(%(now)s::timestamptz, now())
                        THEN coalesce(%(now)s::timestamptz, now()) END,
     updated_at = coalesce(%(now)s::timestamptz, now()),
     status_reason = 'lease_expired',

@@ -165,7 +165,7 @@ SELECT claimed.*, backlog.pending AS lane_pending
 FROM backlog LEFT JOIN claimed ON true;
 
 -- name: message_heartbeat_many :many
--- Extend many leases at once, never past each attempt's hard run deadline; rows another statement is writing right now (a completion) are skipped, not waited for; report every lease's fate. Commits without waiting for the WAL flush (a lost heartbeat only shortens a lease).
+-- Extend many leases at once, never past each attempt's hard run deadline or its message's deadline (past either: overran); rows another statement is writing right now (a completion) are skipped, not waited for; report every lease's fate. Commits without waiting for the WAL flush (a lost heartbeat only shortens a lease).
 WITH nondurable AS MATERIALIZED (
     SELECT set_config('synchronous_commit', 'off', true) AS setting
 ),
@@ -181,18 +181,23 @@ mine AS MATERIALIZED (
     FOR UPDATE OF m SKIP LOCKED
 ),
 beat AS (
+    -- Never past the attempt's run deadline, nor the message's own deadline: work past it is
+    -- expired, not run on (a Bus API worker learns it here; a lease left to lapse there is
+    -- reclaimed as expired).
     UPDATE agent_messages m
     SET lease_expires_at = least(
             coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval,
-            coalesce(m.run_deadline, 'infinity'::timestamptz))
+            coalesce(m.run_deadline, 'infinity'::timestamptz),
+            coalesce(m.deadline, 'infinity'::timestamptz))
     FROM mine
     WHERE m.id = mine.id
-      AND coalesce(m.run_deadline, 'infinity'::timestamptz)
+      AND least(coalesce(m.run_deadline, 'infinity'::timestamptz),
+                coalesce(m.deadline, 'infinity'::timestamptz))
           > coalesce(%(now)s::timestamptz, now())
     RETURNING m.id, m.lease_expires_at
 )
 SELECT i.id, beat.lease_expires_at, m.status, m.lease_token = i.token AS same_lease,
-       m.run_deadline <= coalesce(%(now)s::timestamptz, now()) AS overran,
+       least(m.run_deadline, m.deadline) <= coalesce(%(now)s::timestamptz, now()) AS overran,
        i.id NOT IN (SELECT id FROM mine) AS busy
 FROM input i
 LEFT JOIN beat ON beat.id = i.id

@@ -329,6 +329,47 @@ async def test_heartbeat_extends_and_reports_cancel(bus: Bus) -> None:
     assert not await bus.cancel("acme", m.id)
 
 
+async def test_a_running_message_is_not_run_past_its_deadline(bus: Bus) -> None:
+    deadline = T0 + timedelta(seconds=20)
+    await bus.enqueue(now=T0, deadline=deadline, **vars_of(req(bus, "late")))
+    (m,) = await bus.claim("w", lease=timedelta(seconds=10), now=T0)
+    # A heartbeat never extends the lease past the message's deadline...
+    beat = await bus.heartbeat(
+        m.lease, extend=timedelta(seconds=10), now=T0 + timedelta(seconds=15)
+    )
+    assert beat.keep_going and beat.lease_expires_at == deadline
+    # ...and at it, tells the worker to stop.
+    beat = await bus.heartbeat(m.lease, now=deadline)
+    assert beat.outcome is AckOutcome.OVERRUN and not beat.keep_going
+    # Its lease lapsed past the deadline: expired, not retried (it had attempts left) and not
+    # dead (a redrive would need --clear-deadline to send it back).
+    assert await bus.reclaim(now=deadline + timedelta(seconds=1)) == [m.id]
+    got = await bus.get("acme", m.id)
+    assert got is not None and got.status is MessageStatus.EXPIRED and not got.extra["deferred"]
+    assert got.extra["finished_at"] == deadline + timedelta(seconds=1)
+    assert got.error is not None and "deadline" in got.error
+
+
+async def test_a_completion_sent_again_under_its_lease_is_applied_not_lost(bus: Bus) -> None:
+    # Its first commit's answer was lost with the connection: the worker sends it again, and
+    # must not read "stale" (its lease lost, its work perhaps redone elsewhere).
+    await bus.enqueue(now=T0, **vars_of(req(bus, "twice")))
+    (m,) = await bus.claim("w", now=T0)
+    assert await bus.complete(m.lease, {"n": 1}, now=T0) is AckOutcome.APPLIED
+    assert await bus.complete(m.lease, {"n": 2}, now=T0) is AckOutcome.APPLIED
+    got = await bus.get("acme", m.id)
+    assert got is not None and got.result == {"n": 1}  # the first one's, unchanged
+    log = await bus.store.transitions("acme", m.id)  # type: ignore[attr-defined]
+    assert [r["to_status"] for r in log] == ["pending", "running", "done"]
+
+
+async def test_lanes_are_claimed_in_lane_order_whatever_order_the_caller_names(bus: Bus) -> None:
+    await bus.enqueue(now=T0, **vars_of(req(bus, "b", lane=Lane.BATCH)))
+    await bus.enqueue(now=T0 + timedelta(seconds=1), **vars_of(req(bus, "i")))
+    (m,) = await bus.claim("w", lanes=[Lane.BATCH, Lane.INTERACTIVE], now=T0 + timedelta(seconds=2))
+    assert m.lane is Lane.INTERACTIVE
+
+
 async def test_lease_lengths_and_lanes_are_checked_before_the_database(bus: Bus) -> None:
     await bus.enqueue(now=T0, **vars_of(req(bus, "lease")))
     (m,) = await bus.claim("w", now=T0)

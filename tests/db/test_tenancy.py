@@ -144,6 +144,16 @@ async def test_no_tenant_set_sees_nothing_and_writes_nothing(bus: Bus, db: Datab
             "SELECT * FROM redrive_messages(ARRAY[%s]::bigint[], 'x', NULL, true)", (dead,)
         )
         assert await cur.fetchall() == []
+        # Nor can it enqueue: row-level security checks the new rows against no tenant.
+        request = bus.request(
+            tenant="acme", pipeline="demo", stage="x", source="t", source_id="no-tenant",
+            directive="d",
+        )  # fmt: skip
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+            async with conn.transaction():
+                await conn.execute(
+                    q("message_enqueue"), _enqueue_params([request], timedelta(days=1), None)
+                )
         # Empty (a reset SET LOCAL leaves '') is the same as unset: fail closed.
         async with conn.transaction():
             await conn.execute("SELECT set_config('appliance.tenant', '', true)")

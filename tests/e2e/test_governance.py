@@ -121,6 +121,20 @@ def test_a_runaway_loop_halts_at_its_cap_while_other_work_flows(
                 timeout=120,
                 what="the other tenant's work",
             )
+            # The hop-limited loop's end: its model calls share the cores with the rest, so
+            # on a busy machine it may not have got there within the runaway period.
+            wait_until(
+                lambda: (
+                    query(
+                        fresh_db.admin,
+                        "SELECT count(*) AS n FROM agent_messages WHERE tenant = 'hoppy' "
+                        "AND status = 'dead'",
+                    )[0]["n"]
+                    == 1
+                ),
+                timeout=120,
+                what="the hop-limited loop's end",
+            )
         except AssertionError:
             raise AssertionError(procs.logs()) from None
 
