@@ -510,6 +510,43 @@ $$;
 ALTER FUNCTION appliance.enqueue_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text) OWNER TO appliance_owner;
 
 --
+-- Name: enqueue_tenant_requests(timestamp with time zone, interval, jsonb, integer, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.enqueue_tenant_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text) RETURNS TABLE(ord integer, id bigint, new boolean)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    other text;
+BEGIN
+    -- The refusals read as row-level security's own (the same error code and words), which
+    -- is what they stand in for.
+    IF p_scope IS NULL OR p_scope = '' THEN
+        RAISE EXCEPTION 'new row violates row-level security policy: an enqueue of the tenant '
+            'role names no tenant'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF jsonb_typeof(p_requests) = 'array' THEN  -- anything else: enqueue_requests says what
+        SELECT e.r->>0 INTO other
+        FROM jsonb_array_elements(p_requests) AS e(r)
+        WHERE e.r->>0 IS DISTINCT FROM p_scope
+        LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'new row violates row-level security policy: a request of tenant % '
+                'in an enqueue of tenant %', coalesce(other, 'none'), p_scope
+                USING ERRCODE = 'insufficient_privilege';
+        END IF;
+    END IF;
+    RETURN QUERY
+    SELECT r.ord, r.id, r.new
+    FROM enqueue_requests(p_now, p_retention, p_requests, p_default_max_attempts, p_scope) AS r;
+END
+$$;
+
+ALTER FUNCTION appliance.enqueue_tenant_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text) OWNER TO appliance_owner;
+
+--
 -- Name: idempotency_key(text, text, text); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -2620,6 +2657,20 @@ GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_app;
 GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_system;
 
 --
+-- Name: FUNCTION enqueue_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.enqueue_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.enqueue_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text) TO appliance_system;
+
+--
+-- Name: FUNCTION enqueue_tenant_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.enqueue_tenant_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.enqueue_tenant_requests(p_now timestamp with time zone, p_retention interval, p_requests jsonb, p_default_max_attempts integer, p_scope text) TO appliance_app;
+
+--
 -- Name: FUNCTION idempotency_key(source text, source_id text, stage text); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
@@ -2719,7 +2770,7 @@ REVOKE ALL ON FUNCTION appliance.upkeep_window_start(p_name text, p_table regcla
 -- Name: TABLE agent_messages; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT,INSERT ON TABLE appliance.agent_messages TO appliance_app;
+GRANT SELECT ON TABLE appliance.agent_messages TO appliance_app;
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.agent_messages TO appliance_system;
 
 --
@@ -2754,7 +2805,7 @@ GRANT SELECT,INSERT,UPDATE ON TABLE appliance.energy_calibration TO appliance_sy
 -- Name: TABLE idempotency_keys; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT,INSERT,UPDATE ON TABLE appliance.idempotency_keys TO appliance_app;
+GRANT SELECT ON TABLE appliance.idempotency_keys TO appliance_app;
 GRANT SELECT,INSERT,UPDATE ON TABLE appliance.idempotency_keys TO appliance_system;
 
 --

@@ -281,9 +281,10 @@ class PgMessageStore:
             _enqueue_params(chunk, retention, now, default_max_attempts)
             for chunk in _chunks(unique)
         ]
-        query = q("message_enqueue")
         tenants = {r.tenant for r in unique}
         scope = next(iter(tenants)) if len(tenants) == 1 else None
+        # One tenant: as that tenant (its role, its function); several: as the machinery.
+        query = q("message_enqueue_tenant") if scope else q("message_enqueue")
         for params in statements:
             params["scope"] = scope
         try:

@@ -17,6 +17,14 @@ FROM enqueue_requests(
     %(default_max_attempts)s::integer, %(scope)s::text
 ) AS e;
 
+-- name: message_enqueue_tenant :many
+-- message_enqueue as the tenant role: every request must be of `scope`, the tenant (migration 0036: that role may not write the envelope's tables itself).
+SELECT e.ord, e.id, e.new
+FROM enqueue_tenant_requests(
+    %(now)s::timestamptz, %(retention)s::interval, %(requests)s::jsonb,
+    %(default_max_attempts)s::integer, %(scope)s::text
+) AS e;
+
 -- name: message_complete :many
 -- Record results under their leases (a batch: a JSON array of [id, lease token, result, outcome]); a lease that is no longer current changes nothing and is reported with the row's status.
 WITH input AS (

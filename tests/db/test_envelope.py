@@ -131,7 +131,9 @@ async def test_first_inserter_rolls_back_next_is_new(bus: Bus, db: Database) -> 
     async with db.app_pool.connection() as conn:
         await conn.set_autocommit(False)
         await conn.execute(q("tenant_set"), {"tenant": "acme"})
-        await (await conn.execute(q("message_enqueue"), params)).fetchall()
+        await (
+            await conn.execute(q("message_enqueue_tenant"), {**params, "scope": "acme"})
+        ).fetchall()
         # A second enqueue of the same key now waits on the uncommitted key row.
         second = asyncio.create_task(bus.enqueue_many([request]))
         await asyncio.sleep(0.3)

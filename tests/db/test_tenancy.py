@@ -95,10 +95,6 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
         assert await _count(conn, "agent_messages") == 5
         assert await _count(conn, "idempotency_keys") == 5
         assert await _count(conn, "message_transitions") == 10  # enqueued + claimed
-        cur = await conn.execute(
-            "UPDATE idempotency_keys SET hits = 99 WHERE tenant = 'globex' RETURNING key"
-        )
-        assert await cur.fetchall() == []
     # Envelope rows are not the tenant role's to update at all, not even its own (migration
     # 0035): cancel and redrive are functions held to its tenant. With the grant, it could
     # finish its running work without a lease, or move it to another lane.
@@ -114,9 +110,23 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
     )
     with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
         async with db.tenant_tx("acme") as conn:
-            await conn.execute(
-                q("message_enqueue"), _enqueue_params([request], timedelta(days=1), None)
-            )
+            params = _enqueue_params([request], timedelta(days=1), None)
+            await conn.execute(q("message_enqueue_tenant"), {**params, "scope": "acme"})
+    # Nor straight into the tables (migration 0036): a message under a key another holds, a
+    # key pointed elsewhere, would undo the enqueue's rules.
+    for statement in (
+        "INSERT INTO agent_messages (id, tenant, pipeline, stage, source, source_id,"
+        " idempotency_key, directive, not_before, created_at, updated_at)"
+        " VALUES (nextval('agent_messages_id_seq'), 'acme', 'p', 's', 'x', '1', 'k', 'd',"
+        " now(), now(), now())",
+        "UPDATE idempotency_keys SET expires_at = now() - interval '1 day'",
+        "INSERT INTO idempotency_keys (tenant, key, message_id, created_at, expires_at)"
+        " VALUES ('acme', 'k', 1, now(), now())",
+        "SELECT * FROM enqueue_requests(NULL, interval '1 day', '[]'::jsonb, 5, 'acme')",
+    ):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"):
+            async with db.tenant_tx("acme") as conn:
+                await conn.execute(statement)
     # globex's rows are untouched.
     async with db.system_conn() as conn:
         row = await (
@@ -144,16 +154,16 @@ async def test_no_tenant_set_sees_nothing_and_writes_nothing(bus: Bus, db: Datab
             "SELECT * FROM redrive_messages(ARRAY[%s]::bigint[], 'x', NULL, true)", (dead,)
         )
         assert await cur.fetchall() == []
-        # Nor can it enqueue: row-level security checks the new rows against no tenant.
+        # Nor can it enqueue, naming no tenant for its enqueue or another one than its own.
         request = bus.request(
             tenant="acme", pipeline="demo", stage="x", source="t", source_id="no-tenant",
             directive="d",
         )  # fmt: skip
-        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
-            async with conn.transaction():
-                await conn.execute(
-                    q("message_enqueue"), _enqueue_params([request], timedelta(days=1), None)
-                )
+        params = _enqueue_params([request], timedelta(days=1), None)
+        for scope in (None, "", "globex"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+                async with conn.transaction():
+                    await conn.execute(q("message_enqueue_tenant"), {**params, "scope": scope})
         # Empty (a reset SET LOCAL leaves '') is the same as unset: fail closed.
         async with conn.transaction():
             await conn.execute("SELECT set_config('appliance.tenant', '', true)")
@@ -219,7 +229,7 @@ async def test_messages_always_belong_to_a_known_tenant(
     assert names == ["acme", "globex"]
 
 
-async def test_the_app_role_cannot_insert_work_past_the_envelope_rules(
+async def test_no_role_can_insert_work_past_the_envelope_rules(
     bus: Bus, db: Database, fresh_db: Endpoints
 ) -> None:
     """A message enters pending, unattempted and unleased, with an id the sequence gave out:
@@ -235,7 +245,8 @@ async def test_the_app_role_cannot_insert_work_past_the_envelope_rules(
     nxt = "nextval('agent_messages_id_seq')"
 
     async def insert(id_: str, *values: object, draw: bool = True) -> None:
-        async with db.tenant_tx("acme") as conn:
+        # As the machinery: the only runtime role that may insert (migration 0036).
+        async with db.system_tx() as conn:
             if draw:
                 await conn.execute(f"SELECT {nxt}")  # currval needs a value drawn
             await conn.execute(columns.format(id=id_), values)
