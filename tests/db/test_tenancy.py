@@ -108,10 +108,10 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
     request = bus.request(
         tenant="globex", pipeline="demo", stage="x", source="t", source_id="evil", directive="d"
     )
+    params = {**_enqueue_params([request], timedelta(days=1), None), "scope": "acme"}
     with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
         async with db.tenant_tx("acme") as conn:
-            params = _enqueue_params([request], timedelta(days=1), None)
-            await conn.execute(q("message_enqueue_tenant"), {**params, "scope": "acme"})
+            await conn.execute(q("message_enqueue_tenant"), params)
     # Nor straight into the tables (migration 0036): a message under a key another holds, a
     # key pointed elsewhere, would undo the enqueue's rules.
     for statement in (
