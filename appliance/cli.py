@@ -152,8 +152,8 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
         state = f"running, pid {st.pid}" if st.running else "stopped"
         if cluster.foreign():
             state = (
-                "refused: the data directory was not created by the appliance (move it away"
-                " or use another state directory)"
+                "refused: the data directory (or the state directory itself) holds a cluster the"
+                " appliance did not create (move it away or use another state directory)"
             )
         elif not st.initialized:
             state = "not initialised (appliance db start creates it)"

@@ -527,6 +527,18 @@ BEGIN
             'role names no tenant'
             USING ERRCODE = 'insufficient_privilege';
     END IF;
+    -- Held to the tenant its transaction set, if it set one (an enqueue scoped to another
+    -- would move the transaction to that tenant).
+    IF current_tenant() IS DISTINCT FROM p_scope AND current_tenant() IS NOT NULL THEN
+        RAISE EXCEPTION 'new row violates row-level security policy: an enqueue of tenant % '
+            'in a transaction of tenant %', p_scope, current_tenant()
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    -- Keys born expired would let the next enqueue of a key take it over at once.
+    IF p_retention IS NULL OR p_retention <= interval '0' THEN
+        RAISE EXCEPTION 'idempotency retention must be positive, got %', p_retention
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF jsonb_typeof(p_requests) = 'array' THEN  -- anything else: enqueue_requests says what
         SELECT e.r->>0 INTO other
         FROM jsonb_array_elements(p_requests) AS e(r)
@@ -2784,14 +2796,12 @@ GRANT SELECT ON TABLE appliance.agent_messages_archive TO appliance_system;
 -- Name: SEQUENCE agent_messages_id_seq; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT USAGE ON SEQUENCE appliance.agent_messages_id_seq TO appliance_app;
 GRANT USAGE ON SEQUENCE appliance.agent_messages_id_seq TO appliance_system;
 
 --
 -- Name: SEQUENCE agent_messages_lease_token_seq; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT USAGE ON SEQUENCE appliance.agent_messages_lease_token_seq TO appliance_app;
 GRANT USAGE ON SEQUENCE appliance.agent_messages_lease_token_seq TO appliance_system;
 
 --

@@ -1476,7 +1476,7 @@ class Runner:
                 )
             except asyncio.CancelledError:
                 # Stopping with this batch in flight: it goes back, for the drain's last flush
-                # (acknowledging twice is harmless: the second is reported late).
+                # (acknowledging twice is harmless: the second is answered applied, by the first).
                 self._acks = batch + self._acks
                 self._alone += alone
                 raise

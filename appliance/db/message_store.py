@@ -566,13 +566,15 @@ class PgMessageStore:
         self, *, batch: int = 500, now: datetime | None = None, backoff: RetryPolicy = RETRY
     ) -> list[int]:
         """Return expired leases to pending after `backoff`'s delay for the attempts made (or
-        to dead); the ids reclaimed, logged `lease_expired`."""
+        to dead when attempts are used up, to expired when the message's deadline has passed);
+        the ids reclaimed, logged `lease_expired`."""
         return [mid for mid, _ in await self.reclaim_due(batch=batch, now=now, backoff=backoff)]
 
     async def reclaim_due(
         self, *, batch: int = 500, now: datetime | None = None, backoff: RetryPolicy = RETRY
     ) -> list[tuple[int, float | None]]:
-        """As reclaim, with each message's seconds until its retry is due (None: dead)."""
+        """As reclaim, with each message's seconds until its retry is due (None: dead or
+        expired)."""
         params = {
             "now": now,
             "batch": batch,

@@ -97,8 +97,12 @@ ensure_postgres() {
   fi
   # Where the appliance looks first (appliance/db/cluster.py find_bindir): a server installed
   # elsewhere needs no Debian package (which would also create and start a cluster of its own).
-  if command -v pg_config >/dev/null 2>&1 && [ -x "$(pg_config --bindir 2>/dev/null)/initdb" ]; then
-    return 0
+  if command -v pg_config >/dev/null 2>&1; then
+    local bindir
+    bindir="$(pg_config --bindir 2>/dev/null || true)"
+    if [ -x "$bindir/initdb" ] && [ -x "$bindir/pg_ctl" ] && [ -x "$bindir/postgres" ]; then
+      return 0
+    fi
   fi
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     log "installing PostgreSQL server binaries (Debian package postgresql)"

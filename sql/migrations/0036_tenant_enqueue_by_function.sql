@@ -30,6 +30,18 @@ BEGIN
             'role names no tenant'
             USING ERRCODE = 'insufficient_privilege';
     END IF;
+    -- Held to the tenant its transaction set, if it set one (an enqueue scoped to another
+    -- would move the transaction to that tenant).
+    IF current_tenant() IS DISTINCT FROM p_scope AND current_tenant() IS NOT NULL THEN
+        RAISE EXCEPTION 'new row violates row-level security policy: an enqueue of tenant % '
+            'in a transaction of tenant %', p_scope, current_tenant()
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    -- Keys born expired would let the next enqueue of a key take it over at once.
+    IF p_retention IS NULL OR p_retention <= interval '0' THEN
+        RAISE EXCEPTION 'idempotency retention must be positive, got %', p_retention
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF jsonb_typeof(p_requests) = 'array' THEN  -- anything else: enqueue_requests says what
         SELECT e.r->>0 INTO other
         FROM jsonb_array_elements(p_requests) AS e(r)
@@ -60,3 +72,6 @@ GRANT EXECUTE ON FUNCTION enqueue_requests(timestamptz, interval, jsonb, integer
 
 REVOKE INSERT ON agent_messages FROM appliance_app;
 REVOKE INSERT, UPDATE ON idempotency_keys FROM appliance_app;
+-- Ids and lease tokens are drawn by the owner's functions and the machinery only.
+REVOKE USAGE, UPDATE ON SEQUENCE agent_messages_id_seq, agent_messages_lease_token_seq
+    FROM appliance_app;

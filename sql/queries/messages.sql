@@ -203,7 +203,7 @@ SET status = CASE WHEN m.deadline <= coalesce(%(now)s::timestamptz, now()) THEN 
     status_actor = %(actor)s
 FROM stuck
 WHERE m.id = stuck.id
--- due_in: seconds until its retry is due, by the clock the statement used (NULL: dead).
+-- due_in: seconds until its retry is due, by the clock the statement used (NULL: dead or expired).
 RETURNING m.id, CASE WHEN m.status = 'pending'
                      THEN extract(epoch FROM m.not_before - coalesce(%(now)s::timestamptz, now()))
                           ::double precision END AS due_in;

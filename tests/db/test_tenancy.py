@@ -512,3 +512,35 @@ async def test_a_display_name_is_bounded_and_named_when_wrong(db: Database) -> N
             await tenants.add("initech", display_name=bad)
     assert not await tenants.exists("initech")
     assert await tenants.add("initech", display_name="Initech, Inc.")
+
+
+async def test_the_tenant_enqueue_is_held_to_its_transactions_tenant(
+    bus: Bus, db: Database
+) -> None:
+    """Its function runs as the owner (migration 0036): it checks what row-level security
+    checked, and what the owner's rights would otherwise let through."""
+    theirs = bus.request(
+        tenant="globex", pipeline="demo", stage="x", source="t", source_id="1", directive="d"
+    )
+    mine = bus.request(
+        tenant="acme", pipeline="demo", stage="x", source="t", source_id="1", directive="d"
+    )
+    scoped = {**_enqueue_params([theirs], timedelta(days=1), None), "scope": "globex"}
+    # Scoped to another tenant than the transaction's: refused (it would move the transaction).
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="transaction of tenant acme"):
+        async with db.tenant_tx("acme") as conn:
+            await conn.execute(q("message_enqueue_tenant"), scoped)
+    # Keys born expired would be taken over by the next enqueue of the same key.
+    for retention in (timedelta(0), timedelta(days=-1)):
+        unkept = {**_enqueue_params([mine], retention, None), "scope": "acme"}
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="retention"):
+            async with db.tenant_tx("acme") as conn:
+                await conn.execute(q("message_enqueue_tenant"), unkept)
+    # Ids and lease tokens are not the tenant role's to draw.
+    for sequence in ("agent_messages_id_seq", "agent_messages_lease_token_seq"):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            async with db.tenant_tx("acme") as conn:
+                await conn.execute("SELECT nextval(%s)", (sequence,))
+    async with db.system_conn() as conn:
+        row = await (await conn.execute("SELECT count(*) AS n FROM agent_messages")).fetchone()
+    assert row == {"n": 0}
