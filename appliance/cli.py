@@ -157,6 +157,11 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
             )
         elif not st.initialized:
             state = "not initialised (appliance db start creates it)"
+        elif not st.running and (left := cluster.orphans()):
+            state = (
+                f"stopped, but processes of its last server still run ({', '.join(map(str, left))}"
+                "): a start waits for them, then names them"
+            )
         print(f"database: {state}; data {st.data_dir}; socket {st.socket_dir}; port {st.port}")
         # Refused: not the appliance's database, however it runs.
         return 0 if st.running and not cluster.foreign() else 3

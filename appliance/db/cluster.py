@@ -741,6 +741,45 @@ class LocalCluster:
             return None
         return pid if self._is_our_postmaster(pid) else None
 
+    # How long a start waits for a dead postmaster's processes to end.
+    orphan_wait_s = 10.0
+
+    def orphans(self) -> list[int]:
+        """Server processes of this cluster still alive without their postmaster (it was
+        killed; a backend busy in a long query notices only when the query ends). They hold
+        the old server's shared memory, so a new one cannot start until they are gone."""
+        if not Path("/proc/self").exists():
+            return []
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if not os.path.samefile(proc / "cwd", self.data_dir):
+                    continue
+                state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[:1]
+                name = (proc / "cmdline").read_bytes().split(b"\0", 1)[0]
+            except OSError:
+                continue  # gone meanwhile, not ours to read, or no such folder
+            if state not in (["Z"], ["X"]) and name.startswith((b"postgres", b"postmaster")):
+                found.append(int(proc.name))
+        return sorted(found)
+
+    def _wait_for_orphans(self) -> None:
+        """Before a start with no live postmaster: give a dead one's processes a moment to
+        end (they do once they notice), then refuse, naming them, rather than fail in the
+        server's own words about shared memory in its log."""
+        deadline = time.monotonic() + self.orphan_wait_s
+        while left := self.orphans():
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"the last server of {self.data_dir} died, but its processes "
+                    f"{', '.join(map(str, left))} still run (busy in a query they do not "
+                    "interrupt) and hold its shared memory: end them (kill "
+                    f"{' '.join(map(str, left))}) and start again"
+                )
+            time.sleep(0.2)
+
     def _is_our_postmaster(self, pid: int) -> bool:
         proc = Path(f"/proc/{pid}")
         if not Path("/proc/self").exists():  # no procfs: liveness is all we can check
@@ -812,6 +851,7 @@ class LocalCluster:
             self._wait_ready(deadline)
             return
         self._prepare_dirs()
+        self._wait_for_orphans()
         if os.path.lexists(self.data_dir / "postmaster.pid"):
             self._remove_stale()
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -175,6 +176,43 @@ def test_recovers_from_killed_postmaster(cluster: LocalCluster) -> None:
     status = cluster.status()
     assert status.running
     assert status.pid != pid
+    assert _query(cluster, "SELECT 1") == 1
+
+
+def test_a_start_names_the_processes_a_killed_postmaster_left_running(
+    cluster: LocalCluster,
+) -> None:
+    cluster.start()
+    pid = cluster.status().pid
+    assert pid is not None
+    # A backend busy in a query that never checks for its postmaster's death.
+    conn = psycopg.connect(cluster.conninfo(dbname="postgres"), autocommit=True)
+    busy = conn.info.backend_pid
+
+    def query() -> None:
+        with contextlib.suppress(psycopg.Error):  # ends when the process is killed
+            conn.execute("SELECT count(*) FROM generate_series(1, 10000000000)")
+
+    runner = threading.Thread(target=query, daemon=True)
+    runner.start()
+    try:
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while cluster.orphans() != [busy]:  # the idle children end; the busy one runs on
+            assert time.monotonic() < deadline, cluster.orphans()
+            time.sleep(0.1)
+        assert not cluster.status().running
+        cluster.orphan_wait_s = 0.5
+        with pytest.raises(ClusterError, match=f"processes {busy} still run") as refused:
+            cluster.start()
+        assert f"kill {busy}" in str(refused.value)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(busy, signal.SIGKILL)
+        runner.join(10)
+        conn.close()
+    cluster.start()  # once it is gone (killed), the start goes through
     assert _query(cluster, "SELECT 1") == 1
 
 
