@@ -114,7 +114,7 @@ counters AS MATERIALIZED (
 ),
 allowed AS (
     -- Round-robin: every tenant's first message, then every tenant's second, ...
-    SELECT p.id, p.max_runtime
+    SELECT p.id, coalesce(p.max_runtime, %(max_runtime)s::interval) AS rt
     FROM picked p
     JOIN counters c ON c.tenant = p.tenant
     WHERE p.rank <= c.room
@@ -146,10 +146,11 @@ claimed AS (
     SET status = 'running',
         attempts = m.attempts + 1,
         lease_token = nextval('agent_messages_lease_token_seq'),
-        run_deadline = clock(%(now)s)
-            + coalesce(allowed.max_runtime, %(max_runtime)s::interval),
+        run_deadline = clock(%(now)s) + allowed.rt,
+        -- Not past the run deadline, nor the message's deadline (LEAST skips a NULL one):
+        -- work past it is expired, not run on (a dead worker's lease lapses there).
         lease_expires_at = clock(%(now)s)
-            + least(%(lease)s::interval, coalesce(allowed.max_runtime, %(max_runtime)s::interval)),
+            + least(%(lease)s::interval, allowed.rt, m.deadline - clock(%(now)s)),
         claimed_by = %(worker)s,
         claimed_at = clock(%(now)s),
         updated_at = clock(%(now)s),

@@ -334,8 +334,9 @@ async def test_heartbeat_extends_and_reports_cancel(bus: Bus) -> None:
 async def test_a_running_message_is_not_run_past_its_deadline(bus: Bus) -> None:
     deadline = T0 + timedelta(seconds=20)
     await bus.enqueue(now=T0, deadline=deadline, **vars_of(req(bus, "late")))
-    (m,) = await bus.claim("w", lease=timedelta(seconds=10), now=T0)
-    # A heartbeat never extends the lease past the message's deadline...
+    # Neither the claim's lease (30 s asked) nor a heartbeat's runs past the deadline...
+    (m,) = await bus.claim("w", lease=timedelta(seconds=30), now=T0)
+    assert m.lease_expires_at == deadline
     beat = await bus.heartbeat(
         m.lease, extend=timedelta(seconds=10), now=T0 + timedelta(seconds=15)
     )
