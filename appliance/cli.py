@@ -160,7 +160,8 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
         elif not st.running and (left := cluster.orphans()):
             state = (
                 f"stopped, but processes of its last server still run ({', '.join(map(str, left))}"
-                "): a start waits for them, then names them"
+                f"): a start waits up to {cluster.orphan_wait_s:.0f} s for them, then refuses"
+                f" (end them: kill {' '.join(map(str, left))})"
             )
         print(f"database: {state}; data {st.data_dir}; socket {st.socket_dir}; port {st.port}")
         # Refused: not the appliance's database, however it runs.

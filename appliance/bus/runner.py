@@ -72,8 +72,8 @@ log = logging.getLogger("appliance.runner")
 
 CLAIM_ORDER: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.SYSTEM, Lane.BATCH)
 # A claimed-ahead message must start within this share of what its lease (which ends at its run
-# deadline if that comes first) had left when it was claimed, and within a heartbeat interval,
-# or it is given back.
+# deadline or its message's deadline if one comes first) had left when it was claimed, and
+# within a heartbeat interval, or it is given back.
 HELD_SHARE_OF_LEASE = 0.25
 # Once stopping, how long the main loop's step in flight may still take (run).
 STOP_GRACE_S = 5.0
@@ -739,9 +739,10 @@ class Runner:
     def _hold(self, message: Message, now: float) -> None:
         """Hold a claimed message until a slot frees, with a time by which it must start.
 
-        Its lease counts from the claim (the claim ends it at the run deadline if that comes
-        first) and held work is not heartbeated, so it must start within a small share of the
-        lease (and within a heartbeat interval), or go back for any runner to claim.
+        Its lease counts from the claim (the claim ends it at the run deadline or the
+        message's deadline if one comes first) and held work is not heartbeated, so it must
+        start within a small share of the lease (and within a heartbeat interval), or go back
+        for any runner to claim.
         `now` is the loop's clock. The lease's length is read from the database's own two
         times (its end and the claim's, `updated_at`), never against this machine's clock: one
         ahead of the database's by a lease gave every claimed message no time at all, and the

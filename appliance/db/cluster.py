@@ -744,34 +744,57 @@ class LocalCluster:
     # How long a start waits for a dead postmaster's processes to end.
     orphan_wait_s = 10.0
 
-    def orphans(self) -> list[int]:
-        """Server processes of this cluster still alive without their postmaster (it was
-        killed; a backend busy in a long query notices only when the query ends). They hold
-        the old server's shared memory, so a new one cannot start until they are gone."""
+    def _server_processes(self) -> list[tuple[int, int, bool]]:
+        """(pid, parent pid, whether it is a postmaster) of every live server process whose
+        working folder is this cluster's data directory."""
         if not Path("/proc/self").exists():
+            return []
+        try:
+            ours = os.stat(self.data_dir)
+        except OSError:
             return []
         found = []
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
                 continue
             try:
-                if not os.path.samefile(proc / "cwd", self.data_dir):
+                here = os.stat(proc / "cwd")
+                if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):
                     continue
-                state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[:1]
-                name = (proc / "cmdline").read_bytes().split(b"\0", 1)[0]
+                fields = (proc / "stat").read_bytes().rsplit(b")", 1)[-1].split()
+                argv0 = (proc / "cmdline").read_bytes().split(b"\0", 1)[0]
             except OSError:
-                continue  # gone meanwhile, not ours to read, or no such folder
-            if state not in (["Z"], ["X"]) and name.startswith((b"postgres", b"postmaster")):
-                found.append(int(proc.name))
+                continue  # gone meanwhile, not ours to read
+            if len(fields) < 2 or fields[0] in (b"Z", b"X"):
+                continue
+            # A postmaster runs under its program's path; its children under a title.
+            postmaster = os.path.basename(argv0) in (b"postgres", b"postmaster")
+            if postmaster or argv0.startswith(b"postgres: "):
+                found.append((int(proc.name), int(fields[1]), postmaster))
         return sorted(found)
 
-    def _wait_for_orphans(self) -> None:
+    def orphans(self) -> list[int]:
+        """Server processes of this cluster still alive without their postmaster (it was
+        killed; a backend busy in a long query notices only when the query ends). They hold
+        the old server's shared memory, so a new one cannot start until they are gone."""
+        procs = self._server_processes()
+        postmasters = {pid for pid, _, pm in procs if pm}
+        return [pid for pid, parent, pm in procs if not pm and parent not in postmasters]
+
+    def _wait_for_orphans(self) -> float:
         """Before a start with no live postmaster: give a dead one's processes a moment to
         end (they do once they notice), then refuse, naming them, rather than fail in the
-        server's own words about shared memory in its log."""
-        deadline = time.monotonic() + self.orphan_wait_s
+        server's own words about shared memory in its log. The seconds it waited."""
+        began = time.monotonic()
+        headless = [pid for pid, _, pm in self._server_processes() if pm]
+        if headless:
+            raise ClusterError(
+                f"a server (pid {', '.join(map(str, headless))}) runs on {self.data_dir} "
+                "without its postmaster.pid: stop it (kill -INT "
+                f"{' '.join(map(str, headless))}) and start again"
+            )
         while left := self.orphans():
-            if time.monotonic() >= deadline:
+            if time.monotonic() - began >= self.orphan_wait_s:
                 raise ClusterError(
                     f"the last server of {self.data_dir} died, but its processes "
                     f"{', '.join(map(str, left))} still run (busy in a query they do not "
@@ -779,6 +802,7 @@ class LocalCluster:
                     f"{' '.join(map(str, left))}) and start again"
                 )
             time.sleep(0.2)
+        return time.monotonic() - began
 
     def _is_our_postmaster(self, pid: int) -> bool:
         proc = Path(f"/proc/{pid}")
@@ -851,7 +875,7 @@ class LocalCluster:
             self._wait_ready(deadline)
             return
         self._prepare_dirs()
-        self._wait_for_orphans()
+        deadline += self._wait_for_orphans()  # not counted either
         if os.path.lexists(self.data_dir / "postmaster.pid"):
             self._remove_stale()
         try:

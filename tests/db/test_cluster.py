@@ -216,6 +216,23 @@ def test_a_start_names_the_processes_a_killed_postmaster_left_running(
     assert _query(cluster, "SELECT 1") == 1
 
 
+def test_a_start_names_a_server_that_runs_without_its_pid_file(cluster: LocalCluster) -> None:
+    # Its children are not a dead server's leftovers: the postmaster is named, not them.
+    cluster.start()
+    pid = cluster.status().pid
+    assert pid is not None
+    pid_file = cluster.data_dir / "postmaster.pid"
+    kept = pid_file.read_bytes()
+    pid_file.unlink()
+    try:
+        assert not cluster.status().running and cluster.orphans() == []
+        with pytest.raises(ClusterError, match=rf"a server \(pid {pid}\) runs on .* without"):
+            cluster.start()
+    finally:
+        pid_file.write_bytes(kept)
+    assert cluster.status().pid == pid
+
+
 def test_refuses_foreign_data_dir(reachable_dir: Path) -> None:
     c = _fast_cluster(reachable_dir / "state")
     c.data_dir.mkdir(parents=True)
