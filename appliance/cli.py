@@ -150,7 +150,8 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
     elif action == "status":
         st = cluster.status()
         state = f"running, pid {st.pid}" if st.running else "stopped"
-        if cluster.foreign():
+        foreign = cluster.foreign()
+        if foreign:
             state = (
                 "refused: the data directory (or the state directory itself) holds a cluster the"
                 " appliance did not create (move it away or use another state directory)"
@@ -165,7 +166,7 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
             )
         print(f"database: {state}; data {st.data_dir}; socket {st.socket_dir}; port {st.port}")
         # Refused: not the appliance's database, however it runs.
-        return 0 if st.running and not cluster.foreign() else 3
+        return 0 if st.running and not foreign else 3
     return 0
 
 

@@ -30,38 +30,40 @@ async def take_runner_id(
 ) -> bool:
     """Register the runner described by `info`; False if `stop` was set while it waited for a
     silent holder to age out. Raises RunnerIdInUse when the holder reports meanwhile."""
-    holder = await store.register_runner(info)
-    first = holder
-    while holder is not None:
-        if first is not None and (
-            holder.reported_at != first.reported_at
-            or (holder.host, holder.pid, holder.started_at)
-            != (first.host, first.pid, first.started_at)
-        ):
-            # It reported since (or another runner took the id meanwhile): alive.
-            raise RunnerIdInUse(
-                info["id"],
-                f"is held by a live runner (host {holder.host}, pid {holder.pid}, "
-                f"started {holder.started_at.isoformat(timespec='seconds')})",
-            )
-        if holder is first:
-            log.warning(
-                "runner id %s is held by host %s pid %d, which last reported %.0f s ago and "
-                "did not stop: waiting up to %.0f s for it to report again (alive: this runner "
-                "refuses to start) or to go quiet (it died: this runner takes the id over)",
-                info["id"],
-                holder.host,
-                holder.pid,
-                holder.seen_age_s,
-                max(0.0, RUNNER_ALIVE.total_seconds() - holder.seen_age_s),
-            )
+    first = await store.register_runner(info)
+    if first is None:
+        return True
+    log.warning(
+        "runner id %s is held by host %s pid %d, which last reported %.0f s ago and did not "
+        "stop: waiting up to %.0f s for it to report again (alive: this runner refuses to "
+        "start) or to go quiet (it died: this runner takes the id over)",
+        info["id"],
+        first.host,
+        first.pid,
+        first.seen_age_s,
+        max(0.0, RUNNER_ALIVE.total_seconds() - first.seen_age_s),
+    )
+    while True:
         try:
             await asyncio.wait_for(stop.wait(), ask_every)
             return False
         except TimeoutError:
             pass
         holder = await store.register_runner(info)
-    return True
+        if holder is None:
+            return True
+        # It reported since (or another runner took the id meanwhile): alive.
+        if (holder.reported_at, holder.host, holder.pid, holder.started_at) != (
+            first.reported_at,
+            first.host,
+            first.pid,
+            first.started_at,
+        ):
+            raise RunnerIdInUse(
+                info["id"],
+                f"is held by a live runner (host {holder.host}, pid {holder.pid}, "
+                f"started {holder.started_at.isoformat(timespec='seconds')})",
+            )
 
 
 def taken_over(runner_id: str) -> RunnerIdInUse:

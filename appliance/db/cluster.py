@@ -241,6 +241,13 @@ def _conf_quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
+def _orphans_of(procs: list[tuple[int, int, bool]]) -> list[int]:
+    """Of (pid, parent pid, is a postmaster) rows, the non-postmasters whose postmaster is not
+    among them (it died)."""
+    postmasters = {pid for pid, _, pm in procs if pm}
+    return [pid for pid, parent, pm in procs if not pm and parent not in postmasters]
+
+
 class LocalCluster:
     """The appliance's own PostgreSQL cluster under ``state_dir``.
 
@@ -577,7 +584,7 @@ class LocalCluster:
         """Whether the data directory holds something the appliance did not create, or the
         state directory is itself another cluster's data directory (the appliance's own would
         nest inside it)."""
-        if any(os.path.lexists(self.state_dir / name) for name in _DATA_DIR_SIGNS):
+        if self._state_is_a_data_dir():
             return True
         if self.initialized() or not os.path.lexists(self.data_dir):
             return False
@@ -586,8 +593,11 @@ class LocalCluster:
         except OSError as exc:
             raise ClusterError(f"cannot inspect {self.data_dir}: {exc}") from exc
 
+    def _state_is_a_data_dir(self) -> bool:
+        return any(os.path.lexists(self.state_dir / name) for name in _DATA_DIR_SIGNS)
+
     def _refuse_data_dir_as_state(self) -> None:
-        if any(os.path.lexists(self.state_dir / name) for name in _DATA_DIR_SIGNS):
+        if self._state_is_a_data_dir():
             raise ClusterError(
                 f"refusing to use {self.state_dir} as the state directory: it is a PostgreSQL "
                 "data directory (it holds PG_VERSION or postmaster.pid); point the appliance "
@@ -777,23 +787,22 @@ class LocalCluster:
         """Server processes of this cluster still alive without their postmaster (it was
         killed; a backend busy in a long query notices only when the query ends). They hold
         the old server's shared memory, so a new one cannot start until they are gone."""
-        procs = self._server_processes()
-        postmasters = {pid for pid, _, pm in procs if pm}
-        return [pid for pid, parent, pm in procs if not pm and parent not in postmasters]
+        return _orphans_of(self._server_processes())
 
     def _wait_for_orphans(self) -> float:
         """Before a start with no live postmaster: give a dead one's processes a moment to
         end (they do once they notice), then refuse, naming them, rather than fail in the
         server's own words about shared memory in its log. The seconds it waited."""
         began = time.monotonic()
-        headless = [pid for pid, _, pm in self._server_processes() if pm]
+        procs = self._server_processes()
+        headless = [pid for pid, _, pm in procs if pm]
         if headless:
             raise ClusterError(
                 f"a server (pid {', '.join(map(str, headless))}) runs on {self.data_dir} "
                 "without its postmaster.pid: stop it (kill -INT "
                 f"{' '.join(map(str, headless))}) and start again"
             )
-        while left := self.orphans():
+        while left := _orphans_of(procs):
             if time.monotonic() - began >= self.orphan_wait_s:
                 raise ClusterError(
                     f"the last server of {self.data_dir} died, but its processes "
@@ -802,6 +811,7 @@ class LocalCluster:
                     f"{' '.join(map(str, left))}) and start again"
                 )
             time.sleep(0.2)
+            procs = self._server_processes()
         return time.monotonic() - began
 
     def _is_our_postmaster(self, pid: int) -> bool:
