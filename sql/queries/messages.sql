@@ -50,11 +50,12 @@ done AS (
     RETURNING m.id, m.lease_token
 )
 -- Matched by lease as well: two attempts of one message may be acknowledged together (the
--- older one's lease lost meanwhile), and only the current one applies.
-SELECT i.id, done.id IS NOT NULL AS applied, m.status, m.lease_token = i.token AS same_lease,
-       i.token
+-- older one's lease lost meanwhile), and only the current one applies. `done` is probed as a
+-- hashed subplan: estimated at one row, a join to it was planned as a nested loop that read
+-- all of it again for every acknowledgement (quadratic: a third of a 100-row batch's time).
+SELECT i.id, (i.id, i.token) IN (SELECT d.id, d.lease_token FROM done d) AS applied, m.status,
+       m.lease_token = i.token AS same_lease, i.token
 FROM input i
-LEFT JOIN done ON done.id = i.id AND done.lease_token = i.token
 LEFT JOIN agent_messages m ON m.id = i.id;
 
 -- name: message_fail :one

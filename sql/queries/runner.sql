@@ -195,13 +195,21 @@ beat AS (
       AND least(coalesce(m.run_deadline, 'infinity'::timestamptz),
                 coalesce(m.deadline, 'infinity'::timestamptz))
           > coalesce(%(now)s::timestamptz, now())
-    RETURNING m.id, m.lease_expires_at
+    RETURNING m.id
 )
-SELECT i.id, beat.lease_expires_at, m.status, m.lease_token = i.token AS same_lease,
+-- `beat` is probed as a hashed subplan, and the new expiry computed again from the row as read
+-- (the same values, the same clock): estimated at one row, a join to it was planned as a
+-- nested loop that read all of it again for every lease (quadratic in the batch).
+SELECT i.id,
+       CASE WHEN i.id IN (SELECT b.id FROM beat b) THEN
+           least(coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval,
+                 coalesce(m.run_deadline, 'infinity'::timestamptz),
+                 coalesce(m.deadline, 'infinity'::timestamptz))
+       END AS lease_expires_at,
+       m.status, m.lease_token = i.token AS same_lease,
        least(m.run_deadline, m.deadline) <= coalesce(%(now)s::timestamptz, now()) AS overran,
        i.id NOT IN (SELECT id FROM mine) AS busy
 FROM input i
-LEFT JOIN beat ON beat.id = i.id
 LEFT JOIN agent_messages m ON m.id = i.id;
 
 -- name: message_release :many
