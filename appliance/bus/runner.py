@@ -954,6 +954,12 @@ class Runner:
             # KeyboardInterrupt and SystemExit too: raised by a handler (never by a signal: the
             # runner handles those), they would leave the event loop and stop the runner, and
             # every runner that picked the message up after it.
+            if attempt.stop_reason == AttemptStop.OVERRUN:
+                # Told by a heartbeat that it ran past its deadline, the handler gave up by
+                # raising: the attempt ends as an overrun (expired past the message's
+                # deadline), not as a failure retried past it.
+                await self._overran(attempt)
+                return
             text = _describe(exc)
             log.warning(
                 "handler %s.%s failed: %s", message.pipeline, message.stage, text[:_LOG_CHARS]

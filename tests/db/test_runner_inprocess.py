@@ -1373,6 +1373,52 @@ async def test_a_heartbeat_that_finds_the_runners_own_write_does_not_call_the_le
             await asyncio.gather(attempt.task, return_exceptions=True)
 
 
+async def gives_up_by_raising(ctx: StageContext) -> StageResult:
+    await ctx.wait_cancelled()
+    raise RuntimeError(f"gave up: {ctx.cancel_reason}")
+
+
+async def test_a_handler_that_raises_when_told_it_overran_its_deadline_expires_its_message(
+    fresh_db: Endpoints,
+) -> None:
+    # A heartbeat answers "overrun" past the message's deadline; the handler, told, gives up by
+    # raising. That ends the attempt as an overrun (the message expired), not as a failure that
+    # would be retried past its deadline.
+    pipes = [Pipeline("gives_up", (Stage("run", gives_up_by_raising),))]
+    config = RunnerConfig(worker_id="own", concurrency=4, poll_interval=timedelta(seconds=60))
+    now = [datetime.now(UTC)]
+    async with opened(fresh_db, pipes) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "gives_up"), deadline=now[0] + timedelta(minutes=10))
+        (message,) = await bus.claim("own", limit=1)
+        runner = Runner(store, Registry(pipes), config, doorbell=None, clock=lambda: now[0])
+        runner._start(message)
+        (attempt,) = runner._attempts.values()
+        try:
+            # Ten minutes on, on both clocks: the database's (the deadline moved back instead)
+            # and the runner's.
+            async with await psycopg.AsyncConnection.connect(
+                fresh_db.admin, autocommit=True
+            ) as admin:
+                await admin.execute(
+                    "UPDATE appliance.agent_messages SET deadline = now() - interval '1 second'"
+                    " WHERE id = %s",
+                    (r.id,),
+                )
+            now[0] += timedelta(minutes=10, seconds=1)
+            await runner._heartbeat_once()
+            assert attempt.stop_reason == "overrun"
+            assert attempt.task is not None
+            await asyncio.wait_for(asyncio.shield(attempt.task), 10)
+            got = await bus.get("acme", r.id)
+            assert got is not None and got.status is MessageStatus.EXPIRED, got
+            assert "gave up" not in (got.error or "")
+        finally:
+            if attempt.task is not None and not attempt.task.done():
+                attempt.task.cancel()
+                await asyncio.gather(attempt.task, return_exceptions=True)
+
+
 class _Tiers:
     """An inference service as far as the runner's change handling reads it: which tiers are
     up (the pool itself is tested with the real model in tests/inference)."""
