@@ -642,13 +642,11 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--output", help="write here instead of standard output")
     psql = dbs.add_parser(
         "psql",
-        help="an interactive psql on the appliance database (psql's own options after --: "
-        "appliance db psql -- -Atc 'SELECT 1')",
+        help="psql on the appliance database; psql's own options follow "
+        "(appliance db psql -Atc 'SELECT 1'; a -- before them is allowed)",
     )
     psql.add_argument("--role", choices=["admin", "app", "system"], default="admin")
-    psql.add_argument(
-        "psql_args", nargs=argparse.REMAINDER, help="passed to psql (after --, for its options)"
-    )
+    psql.add_argument("psql_args", nargs=argparse.REMAINDER, help="passed to psql")
 
     tenant = sub.add_parser("tenant", help="register and list tenants")
     ts = tenant.add_subparsers(dest="tenant_action", required=True)
@@ -719,8 +717,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; `db psql` passes the options it does not know to psql, with or
+    without a `--` before them."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if getattr(args, "command", None) != "db" or getattr(args, "db_action", None) != "psql":
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # Options psql takes come first: what follows the first word that is not one (a
+        # value, or `--`) is in psql_args already, in order.
+        args.psql_args = unknown + list(args.psql_args)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -139,6 +139,9 @@ def test_local_cluster_lifecycle_from_the_cli(state_dir: Path) -> None:
         assert out.endswith("new\n")
         psql = run(env, "db", "psql", "--", "-tAc", "SELECT count(*) FROM agent_messages")
         assert psql.stdout.strip() == "1"
+        # psql's options without the `--`; the appliance's own option before them.
+        psql = run(env, "db", "psql", "--role", "system", "-tAc", "SELECT current_user")
+        assert psql.stdout.strip() == "appliance_system"
         assert (state_dir / "pg" / "data" / "appliance-cluster.json").exists()
     finally:
         run(env, "db", "stop", check=False)

@@ -7,6 +7,7 @@ from decimal import Decimal
 import pytest
 from pydantic import ValidationError
 
+from appliance import cli
 from appliance.cli_spend import _amount
 from appliance.domain.errors import InvalidInput
 from appliance.settings import SpendSettings
@@ -56,3 +57,16 @@ def test_the_status_text_keeps_dotted_pipeline_and_stage_names_apart() -> None:
     # Names may hold dots but never a slash: each pair reads one way only.
     assert "a.b/c " in text and "a/b.c " in text
     assert "a.b.c" not in text
+
+
+def test_db_psql_passes_psql_options_with_or_without_a_double_dash() -> None:
+    assert cli.parse(["db", "psql", "-Atc", "SELECT 1"]).psql_args == ["-Atc", "SELECT 1"]
+    args = cli.parse(["db", "psql", "--role", "app", "-X", "-c", "SELECT 1", "-A"])
+    assert args.role == "app" and args.psql_args == ["-X", "-c", "SELECT 1", "-A"]
+    assert cli.parse(["db", "psql", "--", "-A"]).psql_args == ["--", "-A"]
+
+
+def test_options_no_command_knows_are_refused() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.parse(["status", "-Atc", "SELECT 1"])
+    assert exc.value.code == 2
