@@ -1057,6 +1057,16 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
                 ),
                 lambda: raw.claim_complete(ns, 4, 10),
             ),
+            # Batches of 100: whether the gap to raw is each statement's fixed cost (it would
+            # shrink here) or each message's (it stays).
+            (
+                Row("bus claim(100) + complete_many, 1 worker", _m("claim100 x1")),
+                lambda: bus.claim_complete(nc, 1, 100),
+            ),
+            (
+                Row("raw claim100 + done, 1 worker", _m("raw claim100 x1")),
+                lambda: raw.claim_complete(nc, 1, 100),
+            ),
         ]
         diagnostics = [row for row, _ in diag_plan] + floor_rows
         await _repeat([(row.bus, step) for row, step in diag_plan], s.repeats)
