@@ -79,6 +79,8 @@ HELD_SHARE_OF_LEASE = 0.25
 STOP_GRACE_S = 5.0
 # How long a cancelled handler has to end before it counts as ignoring cancellation.
 ABANDON_AFTER_S = 1.0
+# How soon leases that a heartbeat found held by another statement are asked again.
+BUSY_REBEAT_S = 0.5
 
 
 def _call_status(exc: BaseException) -> tuple[str, str]:
@@ -1522,16 +1524,25 @@ class Runner:
 
     async def _heartbeat_loop(self) -> None:
         every = self.config.heartbeat_every.total_seconds()
+        pause = every
         while True:
-            await asyncio.sleep(every)
+            await asyncio.sleep(pause)
+            pause = every
             try:
-                await self._heartbeat_once()
+                if await self._heartbeat_once():
+                    # Leases whose rows another statement held: not extended. Asked again
+                    # soon rather than a third of a lease later: a lock held that long (an
+                    # operator's open transaction) would otherwise let them lapse.
+                    pause = min(every, BUSY_REBEAT_S)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("heartbeat failed; leases may lapse and be reclaimed")
 
-    async def _heartbeat_once(self) -> None:
+    async def _heartbeat_once(self) -> int:
+        """Extend the leases of the attempts running; stop those the answers say must stop.
+        Returns how many leases were not extended because another statement held their rows
+        (they still run)."""
         now = time.monotonic()
         for attempt in list(self._attempts.values()):
             if attempt.hard_cancel_at is not None and now >= attempt.hard_cancel_at:
@@ -1549,11 +1560,14 @@ class Runner:
             and (not a.acked or now - a.acked_at >= every)
         ]
         if not live:
-            return
+            return 0
         results = await self.store.heartbeat_many(
             [a.lease for a in live], extend=self.config.lease, now=None
         )
+        busy = 0
         for attempt, beat in zip(live, results, strict=True):
+            if beat.outcome is AckOutcome.APPLIED and beat.lease_expires_at is None:
+                busy += 1
             if beat.outcome is AckOutcome.APPLIED or attempt.acked or attempt.settling:
                 # An acknowledged attempt's handler has ended: its acknowledgement reports
                 # what became of it (a lease lost meanwhile makes it late). One that began its
@@ -1564,6 +1578,7 @@ class Runner:
                 AckOutcome.OVERRUN: AttemptStop.OVERRUN,
             }.get(beat.outcome, AttemptStop.LEASE_LOST)
             self._stop_attempt(attempt, reason)
+        return busy
 
     def _stop_attempt(self, attempt: _Attempt, reason: str) -> None:
         attempt.stop_reason = reason

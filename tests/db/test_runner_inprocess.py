@@ -1419,6 +1419,42 @@ async def test_a_handler_that_raises_when_told_it_overran_its_deadline_expires_i
                 await asyncio.gather(attempt.task, return_exceptions=True)
 
 
+async def test_a_heartbeat_that_finds_a_lease_row_held_says_so_and_the_next_extends_it(
+    fresh_db: Endpoints,
+) -> None:
+    # A heartbeat skips rows another statement holds (it never waits behind one): those leases
+    # are not extended. The runner is told, to ask again soon rather than a third of a lease
+    # later; once the row is free, the lease is extended.
+    pipes = [Pipeline("patient", (Stage("run", patient),))]
+    config = RunnerConfig(worker_id="own", concurrency=4, poll_interval=timedelta(seconds=60))
+    async with opened(fresh_db, pipes) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "patient"))
+        (message,) = await bus.claim("own", limit=1)
+        runner = Runner(store, Registry(pipes), config, doorbell=None)
+        runner._start(message)
+        (attempt,) = runner._attempts.values()
+        try:
+            async with await psycopg.AsyncConnection.connect(fresh_db.admin) as holder:
+                await holder.execute(
+                    "SELECT 1 FROM appliance.agent_messages WHERE id = %s FOR UPDATE", (r.id,)
+                )
+                assert await runner._heartbeat_once() == 1
+                await holder.rollback()
+            held = await bus.get("acme", r.id)
+            assert held is not None and held.lease_expires_at == message.lease_expires_at
+            assert attempt.stop_reason is None  # still running: only not extended
+            assert await runner._heartbeat_once() == 0
+            got = await bus.get("acme", r.id)
+            assert got is not None and got.lease_expires_at is not None
+            assert message.lease_expires_at is not None
+            assert got.lease_expires_at > message.lease_expires_at
+        finally:
+            assert attempt.task is not None
+            attempt.task.cancel()
+            await asyncio.gather(attempt.task, return_exceptions=True)
+
+
 class _Tiers:
     """An inference service as far as the runner's change handling reads it: which tiers are
     up (the pool itself is tested with the real model in tests/inference)."""
