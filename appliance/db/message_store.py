@@ -432,20 +432,24 @@ class PgMessageStore:
         }
         async with self.db.system_conn() as conn:
             rows = await (await conn.execute(q("message_heartbeat_many"), params)).fetchall()
-        by_id: dict[int, HeartbeatResult] = {}
+        # By lease, not by message: two attempts of one message (the older one's lease lost)
+        # get their own answers.
+        by_lease: dict[tuple[int, int], HeartbeatResult] = {}
         for row in rows:
+            key = (row["id"], row["token"])
             if row["lease_expires_at"] is not None:
-                by_id[row["id"]] = HeartbeatResult(AckOutcome.APPLIED, row["lease_expires_at"])
+                by_lease[key] = HeartbeatResult(AckOutcome.APPLIED, row["lease_expires_at"])
             elif row["same_lease"] and row["status"] == MessageStatus.CANCELLED:
-                by_id[row["id"]] = HeartbeatResult(AckOutcome.CANCELLED)
+                by_lease[key] = HeartbeatResult(AckOutcome.CANCELLED)
             elif row["same_lease"] and row["status"] == MessageStatus.RUNNING:
                 # Still ours: either past its hard run deadline, or written by another statement
                 # at this instant (a completion racing the heartbeat); the next beat will tell.
                 outcome = AckOutcome.OVERRUN if row["overran"] else AckOutcome.APPLIED
-                by_id[row["id"]] = HeartbeatResult(outcome)
+                by_lease[key] = HeartbeatResult(outcome)
             else:
-                by_id[row["id"]] = HeartbeatResult(AckOutcome.STALE)
-        return [by_id.get(lease.message_id, HeartbeatResult(AckOutcome.STALE)) for lease in leases]
+                by_lease[key] = HeartbeatResult(AckOutcome.STALE)
+        stale = HeartbeatResult(AckOutcome.STALE)
+        return [by_lease.get((x.message_id, x.lease_token), stale) for x in leases]
 
     async def complete(
         self,

@@ -195,13 +195,14 @@ beat AS (
       AND least(coalesce(m.run_deadline, 'infinity'::timestamptz),
                 coalesce(m.deadline, 'infinity'::timestamptz))
           > coalesce(%(now)s::timestamptz, now())
-    RETURNING m.id
+    RETURNING m.id, m.lease_token
 )
 -- `beat` is probed as a hashed subplan, and the new expiry computed again from the row as read
 -- (the same values, the same clock): estimated at one row, a join to it was planned as a
--- nested loop that read all of it again for every lease (quadratic in the batch).
-SELECT i.id,
-       CASE WHEN i.id IN (SELECT b.id FROM beat b) THEN
+-- nested loop that read all of it again for every lease (quadratic in the batch). By lease:
+-- an attempt whose message was claimed again is not the one extended.
+SELECT i.id, i.token,
+       CASE WHEN (i.id, i.token) IN (SELECT b.id, b.lease_token FROM beat b) THEN
            least(coalesce(%(now)s::timestamptz, now()) + %(extend)s::interval,
                  coalesce(m.run_deadline, 'infinity'::timestamptz),
                  coalesce(m.deadline, 'infinity'::timestamptz))

@@ -480,6 +480,27 @@ async def test_heartbeat_never_extends_past_run_deadline(rstore: PgRunnerStore) 
     assert await rstore.reclaim(batch=10, now=T0 + timedelta(seconds=6)) == [m.id]
 
 
+async def test_a_heartbeat_of_two_attempts_of_one_message_answers_each_by_its_lease(
+    rstore: PgRunnerStore,
+) -> None:
+    # The first attempt's lease was given back and the message claimed again: beaten together,
+    # the current lease is extended and the lost one told so (answers were kept by message id,
+    # so both got the same one).
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, "twice")], now=T0)
+    (first,) = await claim(rstore)
+    assert await rstore.release([first.lease], actor="w", now=T0) == 1
+    (second,) = await claim(rstore)
+    assert second.id == first.id and second.lease != first.lease
+    at = T0 + timedelta(seconds=1)
+    for leases in ([first.lease, second.lease], [second.lease, first.lease]):
+        answers = await rstore.heartbeat_many(leases, extend=LEASE, now=at)
+        beats = dict(zip(leases, answers, strict=True))
+        assert beats[first.lease].outcome is AckOutcome.STALE
+        assert beats[second.lease].outcome is AckOutcome.APPLIED
+        assert beats[second.lease].lease_expires_at == at + LEASE
+
+
 async def test_release_gives_back_without_counting_an_attempt(rstore: PgRunnerStore) -> None:
     bus = Bus(rstore)
     await bus.enqueue_many([req(bus, "r")], now=T0)
