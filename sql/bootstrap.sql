@@ -37,6 +37,33 @@ BEGIN
 END
 $$;
 
+-- Advisory locks are open to every role by default. Holding the machinery's keys, the tenant
+-- role could stall every enqueue (each takes the stage-tier lock shared) and switch the
+-- archive, key purge and history prune off without an error (they skip a round when their
+-- lock is taken). In this database only the owner and the machinery take them. The functions
+-- belong to the bootstrap superuser: another migrating user (an external server's owner)
+-- cannot change that, and is told.
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) THEN
+        RAISE WARNING 'advisory locks stay open to every role of this database: only a '
+            'superuser can limit them (the migration ran as %)', current_user;
+        RETURN;
+    END IF;
+    FOR f IN
+        SELECT p.oid::regprocedure FROM pg_proc p
+        WHERE p.pronamespace = 'pg_catalog'::regnamespace
+          AND p.proname LIKE 'pg\_%advisory%lock%' AND p.proname NOT LIKE '%unlock%'
+        ORDER BY p.oid
+    LOOP
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO appliance_owner, appliance_system', f);
+    END LOOP;
+END
+$$;
+
 CREATE SCHEMA IF NOT EXISTS appliance AUTHORIZATION appliance_owner;
 REVOKE ALL ON SCHEMA appliance FROM PUBLIC;
 GRANT USAGE ON SCHEMA appliance TO appliance_app, appliance_system;

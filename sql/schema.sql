@@ -353,8 +353,8 @@ CREATE FUNCTION appliance.cancel_message(p_id bigint, p_reason text, p_actor tex
     SET status = 'cancelled',
         deferred = false,
         lease_expires_at = NULL,
-        finished_at = coalesce(p_now, now()),
-        updated_at = coalesce(p_now, now()),
+        finished_at = tenant_clock(p_now),
+        updated_at = tenant_clock(p_now),
         status_reason = p_reason,
         status_actor = p_actor
     WHERE id = p_id
@@ -539,6 +539,7 @@ BEGIN
         RAISE EXCEPTION 'idempotency retention must be positive, got %', p_retention
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM tenant_clock(p_now);  -- a finite time, or the database's
     IF jsonb_typeof(p_requests) = 'array' THEN  -- anything else: enqueue_requests says what
         SELECT e.r->>0 INTO other
         FROM jsonb_array_elements(p_requests) AS e(r)
@@ -866,19 +867,19 @@ CREATE FUNCTION appliance.redrive_messages(p_ids bigint[], p_actor text, p_now t
     WITH moved AS (
         UPDATE agent_messages m
         SET status = 'pending',
-            deadline = CASE WHEN p_clear_deadline AND m.deadline <= coalesce(p_now, now())
+            deadline = CASE WHEN p_clear_deadline AND m.deadline <= tenant_clock(p_now)
                             THEN NULL ELSE m.deadline END,
             attempts = 0,
-            not_before = coalesce(p_now, now()),
+            not_before = tenant_clock(p_now),
             deferred = false,
             finished_at = NULL,
-            updated_at = coalesce(p_now, now()),
+            updated_at = tenant_clock(p_now),
             status_reason = 'redriven',
             status_actor = p_actor
         WHERE m.status = 'dead'
           AND m.tenant = current_tenant()
           AND (p_ids IS NULL OR m.id = ANY (p_ids))
-          AND (p_clear_deadline OR m.deadline IS NULL OR m.deadline > coalesce(p_now, now()))
+          AND (p_clear_deadline OR m.deadline IS NULL OR m.deadline > tenant_clock(p_now))
         RETURNING m.id
     )
     SELECT moved.id, true FROM moved
@@ -888,7 +889,7 @@ CREATE FUNCTION appliance.redrive_messages(p_ids bigint[], p_actor text, p_now t
     WHERE m.status = 'dead' AND NOT p_clear_deadline
       AND m.tenant = current_tenant()
       AND (p_ids IS NULL OR m.id = ANY (p_ids))
-      AND m.deadline <= coalesce(p_now, now())
+      AND m.deadline <= tenant_clock(p_now)
 $$;
 
 ALTER FUNCTION appliance.redrive_messages(p_ids bigint[], p_actor text, p_now timestamp with time zone, p_clear_deadline boolean) OWNER TO appliance_owner;
@@ -1439,6 +1440,24 @@ END
 $$;
 
 ALTER FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) OWNER TO appliance_owner;
+
+--
+-- Name: tenant_clock(timestamp with time zone); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.tenant_clock(p_now timestamp with time zone) RETURNS timestamp with time zone
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+    IF p_now IS NOT NULL AND NOT isfinite(p_now) THEN
+        RAISE EXCEPTION 'the time given (%) is not a finite time', p_now
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN coalesce(p_now, now());
+END
+$$;
+
+ALTER FUNCTION appliance.tenant_clock(p_now timestamp with time zone) OWNER TO appliance_owner;
 
 --
 -- Name: tenants_guard(); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
@@ -2765,6 +2784,12 @@ GRANT ALL ON FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.la
 --
 
 GRANT ALL ON FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION tenant_clock(p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.tenant_clock(p_now timestamp with time zone) FROM PUBLIC;
 
 --
 -- Name: FUNCTION upkeep_window_done(p_name text, p_first bigint, p_pages bigint, p_done integer, p_batch integer, p_last bigint); Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -544,3 +544,52 @@ async def test_the_tenant_enqueue_is_held_to_its_transactions_tenant(
     async with db.system_conn() as conn:
         row = await (await conn.execute("SELECT count(*) AS n FROM agent_messages")).fetchone()
     assert row == {"n": 0}
+
+
+async def test_the_tenant_functions_take_no_infinite_clock(bus: Bus, db: Database) -> None:
+    """Written as given, an infinite time stopped the machinery of every tenant (migration
+    0037): a message cancelled at -infinity failed every archive round, one enqueued then every
+    status report."""
+    mid = (
+        await bus.enqueue(
+            tenant="acme", pipeline="demo", stage="x", source="t", source_id="1", directive="d"
+        )
+    ).id
+    dead = await _dead(bus, "acme")
+    req = bus.request(
+        tenant="acme", pipeline="demo", stage="x", source="t", source_id="2", directive="d"
+    )
+    for clock in ("-infinity", "infinity"):
+        calls = [
+            ("SELECT * FROM cancel_message(%s, 'r', 'a', %s::timestamptz)", (mid, clock)),
+            ("SELECT * FROM redrive_messages(ARRAY[%s]::bigint[], 'a', %s::timestamptz, false)",
+             (dead, clock)),
+            ("SELECT * FROM enqueue_tenant_requests(%s::timestamptz, '1 day', %s::jsonb, 5,"
+             " 'acme')", (clock, _enqueue_params([req], timedelta(days=1), None)["requests"])),
+        ]  # fmt: skip
+        for statement, args in calls:
+            with pytest.raises(psycopg.errors.InvalidParameterValue, match="not a finite time"):
+                async with db.tenant_tx("acme") as conn:
+                    await conn.execute(statement, args)
+    got = await bus.get("acme", mid)
+    assert got is not None and got.status is MessageStatus.PENDING
+    redriven = await bus.get("acme", dead)
+    assert redriven is not None and redriven.status is MessageStatus.DEAD
+
+
+async def test_only_the_machinery_takes_advisory_locks(db: Database) -> None:
+    """Holding the machinery's lock keys, the tenant role stalled every enqueue and switched
+    the archive, key purge and history prune off (bootstrap.sql)."""
+    for take in (
+        "SELECT pg_advisory_lock(hashtext('appliance'), hashtext('stage_tiers'))",
+        "SELECT pg_advisory_lock_shared(1)",
+        "SELECT pg_try_advisory_lock(hashtext('appliance.archive'))",
+        "SELECT pg_advisory_xact_lock(1)",
+        "SELECT pg_try_advisory_xact_lock_shared(1, 2)",
+    ):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            async with db.tenant_tx("acme") as conn:
+                await conn.execute(take)
+    async with db.system_conn() as conn:
+        row = await (await conn.execute("SELECT pg_try_advisory_xact_lock(1) AS got")).fetchone()
+    assert row == {"got": True}
