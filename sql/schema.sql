@@ -574,6 +574,32 @@ $$;
 ALTER FUNCTION appliance.idempotency_key(source text, source_id text, stage text) OWNER TO appliance_owner;
 
 --
+-- Name: message_tenant_guard(); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE FUNCTION appliance.message_tenant_guard() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    owner_tenant text;
+BEGIN
+    IF NEW.message_id IS NULL THEN
+        RETURN NEW;
+    END IF;
+    SELECT m.tenant INTO owner_tenant FROM agent_messages m WHERE m.id = NEW.message_id;
+    IF FOUND AND owner_tenant IS DISTINCT FROM NEW.tenant THEN
+        RAISE EXCEPTION '% row of tenant % names message %, which is of tenant %',
+            TG_TABLE_NAME, coalesce(NEW.tenant, 'none'), NEW.message_id, owner_tenant
+            USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+ALTER FUNCTION appliance.message_tenant_guard() OWNER TO appliance_owner;
+
+--
 -- Name: prune_history(timestamp with time zone, integer); Type: FUNCTION; Schema: appliance; Owner: appliance_owner
 --
 
@@ -2441,6 +2467,18 @@ CREATE TRIGGER agent_messages_insert_trg AFTER INSERT ON appliance.agent_message
 CREATE TRIGGER agent_messages_update_trg AFTER UPDATE ON appliance.agent_messages REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION appliance.agent_messages_log_update();
 
 --
+-- Name: inference_calls inference_calls_message_tenant_trg; Type: TRIGGER; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TRIGGER inference_calls_message_tenant_trg BEFORE INSERT OR UPDATE OF tenant, message_id ON appliance.inference_calls FOR EACH ROW EXECUTE FUNCTION appliance.message_tenant_guard();
+
+--
+-- Name: spend_ledger spend_ledger_message_tenant_trg; Type: TRIGGER; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE TRIGGER spend_ledger_message_tenant_trg BEFORE INSERT OR UPDATE OF tenant, message_id ON appliance.spend_ledger FOR EACH ROW EXECUTE FUNCTION appliance.message_tenant_guard();
+
+--
 -- Name: tenants tenants_guard_trg; Type: TRIGGER; Schema: appliance; Owner: appliance_owner
 --
 
@@ -2707,6 +2745,12 @@ GRANT ALL ON FUNCTION appliance.enqueue_tenant_requests(p_now timestamp with tim
 
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_app;
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_system;
+
+--
+-- Name: FUNCTION message_tenant_guard(); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.message_tenant_guard() FROM PUBLIC;
 
 --
 -- Name: FUNCTION prune_history(p_cutoff timestamp with time zone, p_batch integer); Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -983,3 +983,37 @@ async def test_an_admitted_call_keeps_its_messages_place_for_its_next_call(
     assert isinstance(second, Refusal) and second.behind is None and second.wait
     behind = await ask("late", "0.5", t0 + timedelta(seconds=3))
     assert isinstance(behind, Refusal) and behind.behind == taken["two"].id
+
+
+async def test_spend_and_model_call_rows_belong_to_their_messages_tenant(
+    spend: PgSpendStore, db: Database
+) -> None:
+    # Given another tenant than the message's, a reservation charged that tenant's cap for the
+    # message's call, and showed the message's id, pipeline, stage and model to that tenant
+    # (migration 0038).
+    async with db.system_conn() as conn:
+        await conn.execute("INSERT INTO spend_caps (scope, monthly_cap) VALUES ('appliance', 10)")
+    taken = await _running(db, {"a1": ("acme", Lane.INTERACTIVE)})
+    m = taken["a1"]
+    now = datetime.now(UTC)
+    with pytest.raises(psycopg.errors.CheckViolation, match=r"names message .*of tenant acme"):
+        await reserve(spend, now, tenant="globex", lease=m.lease)
+    hold = await reserve(spend, now, tenant="acme", lease=m.lease)
+    assert isinstance(hold, int)
+    record = (
+        "INSERT INTO inference_calls (tenant, message_id, pipeline, stage, kind, tier, min_tier,"
+        " route_reason, model, model_sha256, status, at) VALUES (%s, %s, 'p', 's', 'classify',"
+        " 'mechanical', 'mechanical', 'r', 'm', 'x', 'ok', now())"
+    )
+    async with db.system_conn() as conn:
+        with pytest.raises(psycopg.errors.CheckViolation, match="inference_calls row of tenant"):
+            await conn.execute(record, ("globex", m.id))
+        await conn.execute(record, ("acme", m.id))
+        rows = await (
+            await conn.execute(
+                "SELECT tenant, count(*) AS n FROM spend_ledger WHERE message_id = %s"
+                " GROUP BY tenant",
+                (m.id,),
+            )
+        ).fetchall()
+    assert [dict(r) for r in rows] == [{"tenant": "acme", "n": 1}]
