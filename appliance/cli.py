@@ -271,9 +271,13 @@ def status_json(st: BusStatus) -> dict[str, Any]:
         "runners": [
             {
                 "id": r.id,
+                "host": r.host,
+                "pid": r.pid,
                 "alive": r.alive,
                 "seen_age_s": r.seen_age_s,
-                "listener_connected": r.listener_connected,
+                # As last reported, and only while it lives: a stopped or dead runner listens
+                # to nothing, whatever its last report said.
+                "listener_connected": r.alive and r.listener_connected,
                 "last_missed_wakeup_age_s": r.last_missed_wakeup_age_s,
                 "missed_wakeups": r.missed_wakeups,
                 "claimed": r.claimed,

@@ -70,3 +70,22 @@ def test_options_no_command_knows_are_refused() -> None:
     with pytest.raises(SystemExit) as exc:
         cli.parse(["status", "-Atc", "SELECT 1"])
     assert exc.value.code == 2
+
+
+def test_the_status_json_names_each_runners_process_and_no_dead_listener() -> None:
+    from datetime import UTC, datetime
+
+    from appliance.domain.envelope import Lane, MessageStatus
+    from appliance.domain.ports import BusStatus, LaneCounts, RunnerInfo
+
+    def runner(rid: str, alive: bool) -> RunnerInfo:
+        return RunnerInfo(rid, "box", 41, 1.0, alive, True, None, 0, 0, 0, 0, {})
+
+    lanes = {lane: LaneCounts({s: 0 for s in MessageStatus}, None, None) for lane in Lane}
+    st = BusStatus(datetime(2026, 12, 1, tzinfo=UTC), lanes, 1, [runner("up", True),
+                   runner("gone", False)])  # fmt: skip
+    shown = {r["id"]: r for r in cli.status_json(st)["runners"]}
+    assert shown["up"]["host"] == "box" and shown["up"]["pid"] == 41
+    assert shown["up"]["listener_connected"] is True
+    # Its last report said it listened; dead, it listens to nothing.
+    assert shown["gone"]["listener_connected"] is False
