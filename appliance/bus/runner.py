@@ -952,6 +952,21 @@ class Runner:
         except BudgetExhausted as exc:
             # The run used up a dimension of its budget: the message ends, naming it.
             await self._terminate(attempt, str(exc))
+        except InvalidInput as exc:
+            if attempt.stop_reason == AttemptStop.OVERRUN:
+                await self._overran(attempt)
+                return
+            # The handler refused its input (a context of the wrong shape, a value it cannot
+            # take, work it spawns past a limit): the same input fails every attempt, so the
+            # message is dead at once, saying why, rather than retried until they run out.
+            text = _describe(exc)
+            log.warning(
+                "handler %s.%s refused its input: %s",
+                message.pipeline,
+                message.stage,
+                text[:_LOG_CHARS],
+            )
+            await self._terminate(attempt, f"handler refused its input: {text}", budget=False)
         except (Exception, KeyboardInterrupt, SystemExit) as exc:
             # KeyboardInterrupt and SystemExit too: raised by a handler (never by a signal: the
             # runner handles those), they would leave the event loop and stop the runner, and
@@ -1212,13 +1227,18 @@ class Runner:
         except Exception:
             log.exception("could not defer message %s", attempt.message.id)
 
-    async def _terminate(self, attempt: _Attempt, reason: str) -> None:
+    async def _terminate(self, attempt: _Attempt, reason: str, *, budget: bool = True) -> None:
+        """End the message for good (dead, never retried): its run's budget is used up
+        (`budget`), or its handler refused its input."""
         attempt.settling = True
         try:
             if await self.store.terminate(
                 attempt.lease, reason=reason, actor=self.config.worker_id, now=None
             ):
-                self.stats.budget_exhausted += 1
+                if budget:
+                    self.stats.budget_exhausted += 1
+                else:
+                    self.stats.failed += 1
         except Exception:
             log.exception("could not end message %s (%s)", attempt.message.id, reason)
 

@@ -104,7 +104,12 @@ async def spawns_too_much(ctx: StageContext) -> StageResult:
     return ctx.finish({"refused": None})
 
 
+async def refuses(ctx: StageContext) -> StageResult:
+    raise InvalidInput("context", "a ticket is an object with subject and body")
+
+
 PIPES = [
+    Pipeline("refuses", (Stage("run", refuses, max_attempts=5),)),
     Pipeline("oversized", (Stage("run", oversized, max_attempts=1),)),
     Pipeline("spawns_too_much", (Stage("run", spawns_too_much),)),
     Pipeline("patient", (Stage("run", patient),)),
@@ -270,6 +275,21 @@ async def test_a_handler_raising_anything_fails_only_its_attempt(
     after = await bus.enqueue(**request(bus, "quick", "after"))
     await wait_status(bus, after.id, MessageStatus.DONE)
     assert runner.stats.failed == 1
+
+
+async def test_a_handler_that_refuses_its_input_ends_the_message_at_once(running) -> None:
+    # The same input fails every attempt: dead after the first, saying why, not retried four
+    # more times with backoff.
+    bus, _, runner = running
+    r = await bus.enqueue(**request(bus, "refuses"))
+    await wait_status(bus, r.id, MessageStatus.DEAD, timeout=5)
+    got = await bus.get("acme", r.id)
+    assert got is not None and got.attempts == 1
+    assert got.error == (
+        "handler refused its input: InvalidInput: context: a ticket is an object with subject"
+        " and body"
+    )
+    assert runner.stats.failed == 1 and runner.stats.budget_exhausted == 0
 
 
 async def test_a_handler_that_ignores_cancellation_gives_its_slot_back(running) -> None:
