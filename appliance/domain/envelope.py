@@ -527,9 +527,10 @@ def differences(request: EnqueueRequest, stored: Message) -> list[str]:
     """The fields in which a request that came back a duplicate differs from the message its
     key already names (what the caller asked for but did not get: a duplicate changes nothing).
 
-    Its content is compared always; lane, priority, attempts and agents only when the request
-    sets them (left unset, they are defaults, not asked for). Times are not compared: the bus
-    moves them itself (a retry's not-before, a redrive that clears the deadline).
+    Its content is compared always; lane, priority, attempts, agents and times only when the
+    request sets them (left unset, they are defaults, not asked for). A deadline the bus has
+    since removed (a redrive that clears it) is named too: the caller asked for one it does not
+    have. A not-before only while the message is unattempted: a retry's backoff moves it.
     """
     asked: list[tuple[str, object, object]] = [
         ("pipeline", request.pipeline, stored.pipeline),
@@ -549,6 +550,10 @@ def differences(request: EnqueueRequest, stored: Message) -> list[str]:
         asked.append(("from_agent", request.from_agent, stored.from_agent))
     if request.to_agent is not None:
         asked.append(("to_agent", request.to_agent, stored.to_agent))
+    if request.deadline is not None:
+        asked.append(("deadline", request.deadline, stored.deadline))
+    if request.not_before is not None and stored.attempts == 0:
+        asked.append(("not_before", request.not_before, stored.not_before))
     return [name for name, wanted, kept in asked if wanted != kept]
 
 

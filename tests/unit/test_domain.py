@@ -300,3 +300,15 @@ def test_a_duplicate_names_what_it_asked_for_differently() -> None:
         context={"n": 2}, lane="interactive", priority=3, max_attempts=3,
     )  # fmt: skip
     assert differences(other, stored) == ["directive", "context", "lane", "priority"]
+    # Times asked for: a deadline always (one asked for and not had is named), a not-before
+    # while the message is unattempted (a retry's backoff moves it).
+    timed = EnqueueRequest.build(
+        tenant="acme", pipeline="p", stage="s", source="src", source_id="1", directive="d",
+        context={"n": 1.0, "k": [1, 2]}, deadline=at + timedelta(days=1),
+        not_before=at + timedelta(hours=2),
+    )  # fmt: skip
+    assert differences(timed, stored) == ["deadline"]  # attempted: its not-before moved
+    fresh = replace(stored, attempts=0, status=MessageStatus.PENDING)
+    assert differences(timed, fresh) == ["deadline", "not_before"]
+    kept = replace(fresh, deadline=timed.deadline, not_before=timed.not_before)
+    assert differences(timed, kept) == []
