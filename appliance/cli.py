@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -67,10 +67,61 @@ def _parse_time(field: str, text: str | None) -> datetime | None:
     return moment
 
 
+BIGINT_MAX = 2**63 - 1
+
+
+def message_id(text: str) -> int:
+    """An argparse type: a message id, 1 to the largest the database holds (bigint)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a message id") from None
+    if not 1 <= value <= BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is not a message id (1..{BIGINT_MAX})")
+    return value
+
+
+def whole_number(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from `low` to `high`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is not from {low} to {high}")
+        return value
+
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds over 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds over 0")
+    return value
+
+
 def _read_context(text: str | None, max_bytes: int) -> Any:
     if text is None:
         return None
+    if text == "@-":
+        # Standard input: the way to send a context larger than a command line may be.
+        data = sys.stdin.buffer.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise InvalidInput("context", f"standard input is over the limit of {max_bytes} bytes")
+        try:
+            return decode_context(data, max_bytes)
+        except InvalidInput as exc:
+            raise InvalidInput("context", f"standard input: {exc.problem}") from None
     if text.startswith("@"):
+        if text == "@":
+            raise InvalidInput("context", "@ names no file (@FILE, or @- for standard input)")
         path = Path(text[1:])
         try:
             # At most one byte over the limit: a huge file (or /dev/zero) is refused by its
@@ -110,7 +161,12 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
     if action == "dump-schema":
         text = dump_schema(Path(pg_tool(settings, "pg_dump")), endpoints(settings).admin)
         if args.output:
-            Path(args.output).write_text(text)
+            try:
+                Path(args.output).write_text(text)
+            except OSError as exc:
+                raise InvalidInput(
+                    "output", f"cannot write {args.output}: {exc.strerror}"
+                ) from None
         else:
             sys.stdout.write(text)
         return 0
@@ -195,6 +251,28 @@ def _declared_pipeline(settings: Settings, name: str) -> Pipeline | None:
     return next((p for p in pipelines if p.name == name), None)
 
 
+async def _tell_run_taken(svc: Services, request: EnqueueRequest) -> None:
+    """A new first message under a key of its own, for a source item that a run already took
+    through later stages: its hand-offs, keyed (source, source id, stage), will be that run's
+    (duplicates that create no work). Said, not refused: the caller may mean just this."""
+    held = await svc.store.item_stage_holders(
+        request.tenant,
+        pipeline=request.pipeline,
+        stage=request.stage,
+        source=request.source,
+        source_id=request.source_id,
+    )
+    if held:
+        taken = ", ".join(f"{stage} (message {mid})" for stage, mid in held)
+        print(
+            f"note: source item {request.source}/{request.source_id} already has a run in"
+            f" pipeline {request.pipeline}: {taken}. Hand-offs are keyed by source, source id"
+            " and stage, so this message's will be duplicates of those (no work); a new run"
+            " takes a new source id.",
+            file=sys.stderr,
+        )
+
+
 async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
     context = _read_context(args.context, settings.bus.context_max_bytes)
     deadline = _parse_time("deadline", args.deadline)
@@ -217,7 +295,13 @@ async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
     }
     async with services(settings) as svc:
         # Bad input writes nothing, the stage graph included: checked before it is declared.
-        request = svc.bus.request(**fields)
+        try:
+            request = svc.bus.request(**fields)
+        except InvalidInput as exc:
+            # Named as the command line names it (the API's field is idempotency_key).
+            if exc.field == "idempotency_key":
+                raise InvalidInput("key", exc.problem) from None
+            raise
         if not await svc.tenants.exists(args.tenant):
             raise UnknownTenant(args.tenant)
         # The stage graph as a runner wrote it; else as this appliance declares it, written
@@ -241,6 +325,8 @@ async def cmd_submit(settings: Settings, args: argparse.Namespace) -> int:
         print(f"{result.id} {'new' if result.new else 'duplicate'}", flush=True)
         if not result.new:
             await _tell_differences(svc, request, result.id)
+        elif args.key is not None:
+            await _tell_run_taken(svc, request)
     return 0
 
 
@@ -470,8 +556,14 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             return 1 if left or late else 0
         elif args.bus_action == "cancel":
             ok = await svc.bus.cancel(args.tenant, args.id, reason=args.reason)
-            print("cancelled" if ok else "not cancelled (absent, another tenant's, or finished)")
-            return 0 if ok else 1
+            if not ok:
+                print(
+                    f"message {args.id} not cancelled (absent, another tenant's, or finished)",
+                    file=sys.stderr,
+                )
+                return 1
+            print("cancelled")
+            return 0
         elif args.bus_action == "show":
             message = await svc.bus.get(args.tenant, args.id)
             if message is None:
@@ -558,10 +650,11 @@ async def _end_stuck_tasks(failure: BaseException | None) -> None:
 
 async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     """Submit support tickets and show them classified and answered (needs a runner)."""
+    # Checked before anything is written (the demo's tenant included).
+    cap = cli_spend._amount(args.cap) if args.cap is not None else None
     async with services(settings) as svc:
         await svc.tenants.add("demo")
-        if args.cap is not None:
-            cap = cli_spend._amount(args.cap)
+        if cap is not None:
             await svc.spend.set_cap("appliance", cap, actor="demo")
             resumed = await svc.spend.resume_budget(reason=f"cap_set: appliance {cap}", now=None)
             print(
@@ -676,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--to-agent")
 
     runner = sub.add_parser("runner", help="run stage handlers until SIGTERM (drains gracefully)")
-    runner.add_argument("--concurrency", type=int)
+    # The setting's own bounds, checked before the models load.
+    runner.add_argument("--concurrency", type=whole_number(1, 1024))
     runner.add_argument("--no-listen", action="store_true", help="rely on the fallback poll only")
     runner.add_argument(
         "--pipeline-module", action="append", help="also serve this module's PIPELINES"
@@ -685,9 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="submit support tickets and watch them answered (needs a runner)"
     )
-    demo.add_argument("--count", type=int, default=4)
-    demo.add_argument("--every", type=float, default=2.0)
-    demo.add_argument("--timeout", type=float, default=300.0)
+    demo.add_argument("--count", type=whole_number(1, 10_000), default=4)
+    demo.add_argument("--every", type=positive_seconds, default=2.0)
+    demo.add_argument("--timeout", type=positive_seconds, default=300.0)
     demo.add_argument(
         "--cap", help="set the appliance's monthly cap first (a tiny one shows held_budget)"
     )
@@ -703,7 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bus.add_subparsers(dest="bus_action", required=True)
     redrive = bs.add_parser("redrive", help="send dead messages back to pending")
     redrive.add_argument("--tenant", required=True)
-    redrive.add_argument("ids", nargs="*", type=int, help="message ids (default: all dead)")
+    redrive.add_argument("ids", nargs="*", type=message_id, help="message ids (default: all dead)")
     redrive.add_argument(
         "--clear-deadline",
         action="store_true",
@@ -711,11 +805,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cancel = bs.add_parser("cancel", help="cancel a message in any non-terminal state")
     cancel.add_argument("--tenant", required=True)
-    cancel.add_argument("id", type=int)
+    cancel.add_argument("id", type=message_id)
     cancel.add_argument("--reason", default="cancelled by operator")
     show = bs.add_parser("show", help="a message and its transition log")
     show.add_argument("--tenant", required=True)
-    show.add_argument("id", type=int)
+    show.add_argument("id", type=message_id)
     bs.add_parser("reclaim", help="run the lease reclaimer once")
     bs.add_parser("expire", help="run the expirer once")
     return parser
@@ -790,6 +884,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The server went away, refused a statement or was never there: one line, no trace.
         print(f"error: database: {error_text(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader of our output went away (`| head`): nothing to say, and nowhere to say
+        # it. Standard output goes to /dev/null so that its flush at exit fails no more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a command ended by SIGPIPE
 
 
 if __name__ == "__main__":

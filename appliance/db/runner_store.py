@@ -325,6 +325,23 @@ class PgRunnerStore(PgMessageStore):
             if retier and stale:
                 await self._retier_skipped(pipeline.name, retier)
 
+    async def item_stage_holders(
+        self, tenant: str, *, pipeline: str, stage: str, source: str, source_id: str
+    ) -> list[tuple[str, int]]:
+        """(stage, message id) of the stages the pipeline's routes lead to from `stage` that a
+        run of this source item already holds by their derived keys: where a new first
+        message's hand-offs would go as duplicates."""
+        params = {
+            "tenant": tenant,
+            "pipeline": pipeline,
+            "stage": stage,
+            "source": source,
+            "source_id": source_id,
+        }
+        async with self.db.tenant_tx(tenant) as conn:
+            cur = await conn.execute(q("item_stage_holders"), params)
+            return [(row["stage"], row["message_id"]) for row in await cur.fetchall()]
+
     async def stages_of(self, pipeline: str) -> list[str]:
         """The stages written for `pipeline`; empty when it was never declared."""
         async with self.db.system_conn() as conn:

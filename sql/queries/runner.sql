@@ -283,6 +283,22 @@ SELECT EXISTS (SELECT FROM pipeline_stages s WHERE s.pipeline = %(pipeline)s) AS
 -- The stages written for a pipeline (none: no runner or submit has declared it).
 SELECT s.stage FROM pipeline_stages s WHERE s.pipeline = %(pipeline)s ORDER BY s.stage;
 
+-- name: item_stage_holders :many
+-- A source item's runs so far, as its tenant (row-level security): for each stage the pipeline's routes lead to from `stage`, the message holding that stage's derived key (source, source id, stage), kept still; what a hand-off of the item to that stage would be a duplicate of.
+WITH RECURSIVE ahead (stage) AS (
+    SELECT r.next_stage FROM stage_routes r
+    WHERE r.pipeline = %(pipeline)s AND r.stage = %(stage)s
+    UNION  -- not ALL: a loop in the graph ends
+    SELECT r.next_stage FROM stage_routes r
+    JOIN ahead a ON r.pipeline = %(pipeline)s AND r.stage = a.stage
+)
+SELECT a.stage, k.message_id
+FROM ahead a
+JOIN idempotency_keys k
+  ON k.tenant = %(tenant)s AND k.key = idempotency_key(%(source)s, %(source_id)s, a.stage)
+WHERE a.stage <> %(stage)s AND k.expires_at > now()
+ORDER BY k.message_id;
+
 -- name: pipeline_routes_clear :exec
 -- Forget a pipeline's routes before writing the declared ones.
 DELETE FROM stage_routes WHERE pipeline = %(pipeline)s;

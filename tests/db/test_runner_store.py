@@ -501,6 +501,29 @@ async def test_a_heartbeat_of_two_attempts_of_one_message_answers_each_by_its_le
         assert beats[second.lease].lease_expires_at == at + LEASE
 
 
+async def test_a_source_items_later_stages_held_by_a_run_are_found_for_a_new_first_message(
+    rstore: PgRunnerStore,
+) -> None:
+    # A run of item t/i1 went a -> b; a new first message of the item under a key of its own
+    # would hand off to b and c as duplicates of that run's (the submit says so). Only stages
+    # ahead of the one submitted, only that tenant's, only keys still kept.
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, "i1")], now=T0)
+    (m,) = await claim(rstore)
+    assert await bus.complete(m.lease) is AckOutcome.APPLIED  # hands off to b
+    b = await rstore.item_stage_holders(
+        "acme", pipeline="chain", stage="a", source="t", source_id="i1"
+    )
+    assert [stage for stage, _ in b] == ["b"]
+    got = await rstore.get("acme", b[0][1])
+    assert got is not None and got.stage == "b" and got.source_id == "i1"
+    for tenant, stage, sid in (("globex", "a", "i1"), ("acme", "b", "i1"), ("acme", "a", "i2")):
+        found = await rstore.item_stage_holders(
+            tenant, pipeline="chain", stage=stage, source="t", source_id=sid
+        )
+        assert found == [], (tenant, stage, sid)
+
+
 async def test_release_gives_back_without_counting_an_attempt(rstore: PgRunnerStore) -> None:
     bus = Bus(rstore)
     await bus.enqueue_many([req(bus, "r")], now=T0)

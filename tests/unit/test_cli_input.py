@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -89,3 +90,39 @@ def test_the_status_json_names_each_runners_process_and_no_dead_listener() -> No
     assert shown["up"]["listener_connected"] is True
     # Its last report said it listened; dead, it listens to nothing.
     assert shown["gone"]["listener_connected"] is False
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bus", "cancel", "--tenant", "acme", "99999999999999999999"],  # past bigint
+        ["bus", "show", "--tenant", "acme", "0"],
+        ["bus", "redrive", "--tenant", "acme", "1", "-5"],
+        ["demo", "--count", "-1"],
+        ["demo", "--every", "0"],
+        ["demo", "--timeout", "inf"],
+        ["runner", "--concurrency", "0"],
+        ["runner", "--concurrency", "5000"],
+    ],
+)
+def test_ids_counts_and_intervals_are_checked_as_they_are_read(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.parse(argv)
+    assert exc.value.code == 2
+
+
+def test_a_context_comes_from_a_file_or_standard_input_and_a_bare_at_is_refused(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    path = tmp_path / "c.json"
+    path.write_text('{"a": 1}')
+    assert cli._read_context(f"@{path}", 100) == {"a": 1}
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"b": [2]}')))
+    assert cli._read_context("@-", 100) == {"b": [2]}
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x" * 101)))
+    with pytest.raises(InvalidInput, match="standard input is over the limit of 100 bytes"):
+        cli._read_context("@-", 100)
+    with pytest.raises(InvalidInput, match="names no file"):
+        cli._read_context("@", 100)
