@@ -234,6 +234,13 @@ async def cmd_tenant(settings: Settings, args: argparse.Namespace) -> int:
         if args.tenant_action == "add":
             created = await svc.tenants.add(args.name, display_name=args.display_name)
             print(f"{args.name} {'added' if created else 'exists'}")
+            if not created and args.display_name is not None:
+                # `add` registers; it never changes a tenant that is there.
+                print(
+                    f"note: tenant {args.name} was already registered; its display name was not"
+                    " changed",
+                    file=sys.stderr,
+                )
         else:
             for name in await svc.tenants.list():
                 print(name)
