@@ -41,6 +41,7 @@ from appliance.domain.errors import (
 )
 from appliance.domain.pipeline import Pipeline
 from appliance.domain.ports import BusStatus
+from appliance.log_damping import RepeatDamper
 from appliance.pipelines.registry import BUILT_IN
 from appliance.pipelines.support import SAMPLE_TICKETS
 from appliance.runtime import (
@@ -844,6 +845,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # The scheduler logs every job run at INFO; its failures still show at WARNING.
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    # A failure that repeats (each step of a runner while the database is down) is logged
+    # once a minute with a count, not a traceback a few times a second into an unrotated log.
+    for log_handler in logging.getLogger().handlers:
+        log_handler.addFilter(RepeatDamper())
     try:
         try:
             settings = Settings()

@@ -310,5 +310,6 @@ def test_a_duplicate_names_what_it_asked_for_differently() -> None:
     assert differences(timed, stored) == ["deadline"]  # attempted: its not-before moved
     fresh = replace(stored, attempts=0, status=MessageStatus.PENDING)
     assert differences(timed, fresh) == ["deadline", "not_before"]
+    assert timed.not_before is not None
     kept = replace(fresh, deadline=timed.deadline, not_before=timed.not_before)
     assert differences(timed, kept) == []
