@@ -68,18 +68,7 @@ def _parse_time(field: str, text: str | None) -> datetime | None:
     return moment
 
 
-BIGINT_MAX = 2**63 - 1
-
-
-def message_id(text: str) -> int:
-    """An argparse type: a message id, 1 to the largest the database holds (bigint)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a message id") from None
-    if not 1 <= value <= BIGINT_MAX:
-        raise argparse.ArgumentTypeError(f"{text} is not a message id (1..{BIGINT_MAX})")
-    return value
+BIGINT_MAX = 2**63 - 1  # the largest message id the database holds (bigint)
 
 
 def whole_number(low: int, high: int) -> Callable[[str], int]:
@@ -109,35 +98,32 @@ def positive_seconds(text: str) -> float:
 
 
 def _read_context(text: str | None, max_bytes: int) -> Any:
+    """The --context argument: JSON text, @FILE, or @- for standard input."""
     if text is None:
         return None
+    if not text.startswith("@"):
+        return decode_context(text, max_bytes)
+    if text == "@":
+        raise InvalidInput("context", "@ names no file (@FILE, or @- for standard input)")
+    # At most one byte over the limit: a huge file (or /dev/zero) is refused by its size
+    # without being read whole into memory.
     if text == "@-":
         # Standard input: the way to send a context larger than a command line may be.
+        where = "standard input"
         data = sys.stdin.buffer.read(max_bytes + 1)
-        if len(data) > max_bytes:
-            raise InvalidInput("context", f"standard input is over the limit of {max_bytes} bytes")
+    else:
+        where = text[1:]
         try:
-            return decode_context(data, max_bytes)
-        except InvalidInput as exc:
-            raise InvalidInput("context", f"standard input: {exc.problem}") from None
-    if text.startswith("@"):
-        if text == "@":
-            raise InvalidInput("context", "@ names no file (@FILE, or @- for standard input)")
-        path = Path(text[1:])
-        try:
-            # At most one byte over the limit: a huge file (or /dev/zero) is refused by its
-            # size without being read whole into memory.
-            with path.open("rb") as f:
+            with Path(where).open("rb") as f:
                 data = f.read(max_bytes + 1)
         except OSError as exc:
-            raise InvalidInput("context", f"cannot read {path}: {exc.strerror}") from None
-        if len(data) > max_bytes:
-            raise InvalidInput("context", f"{path} is over the limit of {max_bytes} bytes")
-        try:
-            return decode_context(data, max_bytes)
-        except InvalidInput as exc:
-            raise InvalidInput("context", f"{path}: {exc.problem}") from None
-    return decode_context(text, max_bytes)
+            raise InvalidInput("context", f"cannot read {where}: {exc.strerror}") from None
+    if len(data) > max_bytes:
+        raise InvalidInput("context", f"{where} is over the limit of {max_bytes} bytes")
+    try:
+        return decode_context(data, max_bytes)
+    except InvalidInput as exc:
+        raise InvalidInput("context", f"{where}: {exc.problem}") from None
 
 
 # -- db ----------------------------------------------------------------------------------------
@@ -805,7 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bus.add_subparsers(dest="bus_action", required=True)
     redrive = bs.add_parser("redrive", help="send dead messages back to pending")
     redrive.add_argument("--tenant", required=True)
-    redrive.add_argument("ids", nargs="*", type=message_id, help="message ids (default: all dead)")
+    redrive.add_argument(
+        "ids", nargs="*", type=whole_number(1, BIGINT_MAX), help="message ids (default: all dead)"
+    )
     redrive.add_argument(
         "--clear-deadline",
         action="store_true",
@@ -813,11 +801,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cancel = bs.add_parser("cancel", help="cancel a message in any non-terminal state")
     cancel.add_argument("--tenant", required=True)
-    cancel.add_argument("id", type=message_id)
+    cancel.add_argument("id", type=whole_number(1, BIGINT_MAX))
     cancel.add_argument("--reason", default="cancelled by operator")
     show = bs.add_parser("show", help="a message and its transition log")
     show.add_argument("--tenant", required=True)
-    show.add_argument("id", type=message_id)
+    show.add_argument("id", type=whole_number(1, BIGINT_MAX))
     bs.add_parser("reclaim", help="run the lease reclaimer once")
     bs.add_parser("expire", help="run the expirer once")
     return parser
