@@ -20,6 +20,8 @@ log = logging.getLogger("appliance.inference")
 # A reading samples the meter (every registered thread's CPU time, the energy counters): about
 # 0.1 ms, so not after every token of a fast model.
 CHECK_EVERY = 0.05
+# A meter that fails this many readings in a row stops the generation (it cannot be guarded).
+FAILED_READS_TO_STOP = 3
 # The margin kept is this many times the energy the tokens until the next reading are expected
 # to use (the largest energy per token seen, times the most tokens that fit before it).
 MARGIN = 2.0
@@ -42,8 +44,9 @@ class EnergyGuard:
       largest energy per token seen, times one token plus as many as the fastest stretch seen
       generates in `every` seconds. Slow tokens and fast ones are both covered.
 
-    A reading that fails ends the checks (the call is then charged whatever the meter says at
-    its end, or its whole reservation). The guard works at its meter's resolution: a prompt
+    A reading that fails is tried again at the next ask; FAILED_READS_TO_STOP in a row stop
+    the generation: unguarded, a call whose meter reads again at its end would be charged its
+    metered energy, past its hold (ending the checks at the first failure did that). The guard works at its meter's resolution: a prompt
     that evaluates faster than the meter ticks reads as 0 J, and then its first token is
     unguarded.
     """
@@ -71,20 +74,29 @@ class EnergyGuard:
         self._rate = 0.0  # the most tokens per second seen between two readings
         self.used = 0.0
         self.stopped = False
-        self._broken = False
+        self._failed_reads = 0
 
     def stop(self, now: float, tokens: int) -> bool:
         """True when the generation must stop now (and at every later ask)."""
         if self.stopped:
             return True
-        if self._broken or now < self._next:
+        if now < self._next and not self._failed_reads:
             return False
         try:
             used = self._read()
         except Exception:
-            log.exception("energy guard: the meter could not be read; the call runs unchecked")
-            self._broken = True
+            self._failed_reads += 1
+            if self._failed_reads >= FAILED_READS_TO_STOP:
+                log.exception(
+                    "energy guard: the meter failed %d readings in a row; the generation stops"
+                    " (it cannot be held to its reservation)",
+                    self._failed_reads,
+                )
+                self.stopped = True
+                return True
+            log.warning("energy guard: a meter reading failed; trying again at the next token")
             return False
+        self._failed_reads = 0
         if self._last is None:
             # After the prompt: the next token's pass costs at most what the prompt's did, and
             # (unless the figure behind the hold is wrong) about what the hold paid a token.

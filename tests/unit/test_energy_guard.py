@@ -95,14 +95,31 @@ def test_a_sudden_larger_stretch_widens_the_margin() -> None:
     assert guard.used == 4.3  # 4.3 + 2 x 3.0 x (1 + 2 tokens/s x 0.5 s) >= 12
 
 
-def test_a_meter_that_fails_ends_the_checks_not_the_call() -> None:
+def test_a_meter_that_keeps_failing_stops_the_call() -> None:
+    # Unguarded, a call whose meter read again at its end was charged past its hold.
     def broken() -> float:
         raise OSError("counter gone")
 
     guard = EnergyGuard(1.0, broken, started=0.0)
     assert not guard.stop(0.0, 0)
-    assert not guard.stop(10.0, 5)
-    assert not guard.stopped
+    assert not guard.stop(0.001, 1)  # tried again at the next token, not after an interval
+    assert guard.stop(0.002, 2) and guard.stopped
+
+
+def test_a_failed_reading_is_tried_again_and_the_limit_still_holds() -> None:
+    # One transient failure used to end the checks for the rest of the call: the energy then
+    # rose to ten times the limit unstopped.
+    readings = iter([OSError("busy"), 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+
+    def flaky() -> float:
+        value = next(readings)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    guard = EnergyGuard(1.0, flaky, started=0.0, every=0.0)
+    stopped_at = run(guard, gap=0.01, start=0.0, n=10)
+    assert stopped_at is not None and guard.used < 1.0
 
 
 def test_the_limit_must_be_positive() -> None:
