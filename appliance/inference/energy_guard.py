@@ -46,9 +46,9 @@ class EnergyGuard:
 
     A reading that fails is tried again at the next ask; FAILED_READS_TO_STOP in a row stop
     the generation: unguarded, a call whose meter reads again at its end would be charged its
-    metered energy, past its hold (ending the checks at the first failure did that). The guard works at its meter's resolution: a prompt
-    that evaluates faster than the meter ticks reads as 0 J, and then its first token is
-    unguarded.
+    metered energy, past its hold (ending the checks at the first failure did that). The
+    guard works at its meter's resolution: a prompt that evaluates faster than the meter ticks
+    reads as 0 J, and then its first token is unguarded.
     """
 
     def __init__(

@@ -55,6 +55,11 @@ class EnergySource(Protocol):
         ...
 
 
+# More than any CPU package or DRAM zone draws (in watts): a RAPL counter that falls back by
+# more than a wrap at this rate could mean was reset, not wrapped.
+RAPL_MAX_WATTS = 5_000.0
+
+
 class Unwrapper:
     """Turns wrapping hardware counters into monotone cumulative values.
 
@@ -65,20 +70,31 @@ class Unwrapper:
     about 4300 J, some 40 s at 100 W: reading every second leaves a wide margin).
 
     The cumulative value is `raw + wraps * range`: with no wrap it equals the hardware counter.
+
+    A counter can also start again from 0 without wrapping (a reset: suspend and resume, the
+    driver reloaded). Read as a wrap, that added nearly a whole range (a RAPL package's is some
+    262 kJ) to the interval, charged to the calls then running as measured. Given the times of
+    the readings and `max_rate` (raw units a second no device reaches), a decrease whose wrap
+    would mean more than that is taken as a reset: the cumulative value goes back (by what the
+    counter had), and the meter leaves that one interval unattributed, as for any counter that
+    goes back.
     """
 
-    def __init__(self, ranges: Mapping[str, int | float]) -> None:
+    def __init__(self, ranges: Mapping[str, int | float], *, max_rate: float | None = None) -> None:
         for device, span in ranges.items():
             if span <= 0:
                 raise ConfigurationError(f"energy counter {device!r}: range must be > 0")
         self._ranges = dict(ranges)
+        self._max_rate = max_rate
         self._last: dict[str, float] = {}
+        self._last_at: dict[str, float] = {}
         self._offset: dict[str, float] = {}
         # Sources may be read from the meter and from a diagnostic at once.
         self._lock = threading.Lock()
 
-    def update(self, device: str, raw: int | float) -> float:
-        """Fold in one raw reading of `device` and return its cumulative value."""
+    def update(self, device: str, raw: int | float, at: float | None = None) -> float:
+        """Fold in one raw reading of `device` (taken at time `at`, seconds) and return its
+        cumulative value."""
         span = self._ranges.get(device)
         if span is None:
             raise ValueError(f"energy counter {device!r}: no range known for it")
@@ -86,12 +102,22 @@ class Unwrapper:
             raise ValueError(f"energy counter {device!r}: raw value {raw} outside [0, {span}]")
         with self._lock:
             last = self._last.get(device)
+            last_at = self._last_at.get(device)
             offset = self._offset.get(device, 0.0)
-            if last is not None and raw < last:
+            if last is not None and raw < last and not self._reset(raw + span - last, last_at, at):
                 offset += span
                 self._offset[device] = offset
             self._last[device] = raw
+            if at is not None:
+                self._last_at[device] = at
             return raw + offset
+
+    def _reset(self, wrapped: float, last_at: float | None, at: float | None) -> bool:
+        """Whether a decrease that, as a wrap, would mean `wrapped` raw units since the last
+        reading is a reset instead: more than any device uses in that time."""
+        if self._max_rate is None or last_at is None or at is None or at <= last_at:
+            return False
+        return wrapped > self._max_rate * (at - last_at)
 
 
 class NvmlSource:
@@ -222,7 +248,9 @@ class RaplSource:
     def _ensure(self) -> list[_Zone]:
         if self._zones is None:
             zones = self._discover()
-            self._unwrap = Unwrapper({z.device: z.range_uj for z in zones})
+            self._unwrap = Unwrapper(
+                {z.device: z.range_uj for z in zones}, max_rate=RAPL_MAX_WATTS * 1e6
+            )
             self._zones = zones
         return self._zones
 
@@ -241,7 +269,7 @@ class RaplSource:
             zones = self._ensure()
             assert self._unwrap is not None
             joules = {
-                z.device: self._unwrap.update(z.device, _read_int(z.path / "energy_uj")) / 1e6
+                z.device: self._unwrap.update(z.device, _read_int(z.path / "energy_uj"), at) / 1e6
                 for z in zones
             }
         return EnergySample(at=at, joules=joules, provenance=self.provenance)

@@ -48,6 +48,23 @@ def test_unwrapper_cannot_see_two_wraps_between_reads() -> None:
     assert u.update("pkg", 5) == 1005
 
 
+def test_unwrapper_takes_a_fall_no_device_could_wrap_through_for_a_reset() -> None:
+    # A RAPL package counter (range 262,143 J) reset by a suspend: 100 J, then 5 J a second
+    # later. As a wrap that was 262,048 J in one second, charged to the calls then running as
+    # measured. Taken as a reset, the value goes back and the meter drops that one interval.
+    u = Unwrapper({"pkg": 262_143}, max_rate=5_000)
+    assert u.update("pkg", 100, at=0.0) == 100
+    assert u.update("pkg", 5, at=1.0) == 5  # gone back: that interval is nobody's
+    assert u.update("pkg", 50, at=2.0) == 50  # and it counts on from there
+    # A real wrap near the top of the range still adds the range once.
+    assert u.update("pkg", 262_100, at=3.0) == 262_100
+    assert u.update("pkg", 900, at=4.0) == 262_143 + 900
+    # Without times, every fall is a wrap (as before).
+    plain = Unwrapper({"pkg": 262_143}, max_rate=5_000)
+    plain.update("pkg", 100)
+    assert plain.update("pkg", 5) == 262_148
+
+
 def test_unwrapper_refuses_out_of_range_and_unknown_devices() -> None:
     u = Unwrapper({"pkg": 1000})
     with pytest.raises(ValueError, match="outside"):
