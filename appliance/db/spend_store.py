@@ -82,7 +82,11 @@ class PgSpendStore:
         note: str | None = None,
         now: datetime | None = None,
     ) -> Decimal | None:
-        """Charge what the call cost (or release the hold); None when already done."""
+        """Charge what the call cost (or release the hold); None when already done.
+
+        A cost that replaces the larger upper bound charged while the call's lease was gone
+        lowers the month's spend: the work held for budget meanwhile goes back to pending, as
+        when a cap is raised (nothing else would wake it before the month's end)."""
         params = {
             "hold": hold,
             "amount": amount,
@@ -94,7 +98,16 @@ class PgSpendStore:
         }
         async with self.db.system_conn() as conn:
             row = await (await conn.execute(q("spend_settle"), params)).fetchone()
-        return None if row is None or row["charged"] is None else Decimal(row["charged"])
+        if row is None or row["charged"] is None:
+            return None
+        charged = Decimal(row["charged"])
+        if row["lowered"]:
+            await self.resume_budget(
+                reason=f"spend_lowered: hold {hold} cost {charged}, less than the upper bound"
+                " charged while its lease was gone",
+                now=now,
+            )
+        return charged
 
     async def platform_month(self, *, now: datetime | None = None) -> Decimal:
         """Charge this month's amortisation once (0 when already charged or none is set)."""

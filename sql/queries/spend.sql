@@ -7,9 +7,17 @@ SELECT * FROM spend_reserve(%(tenant)s, %(lane)s::lane, %(amount)s::numeric, %(m
                             %(tier)s, %(now)s::timestamptz);
 
 -- name: spend_settle :one
--- Settle or release a hold to the measured cost (NULL: it was settled or released already).
-SELECT spend_settle(%(hold)s, %(amount)s::numeric, %(energy)s, %(provenance)s, %(status)s,
-                    %(note)s, %(now)s::timestamptz) AS charged;
+-- Settle or release a hold to the measured cost (NULL: it was settled or released already); `lowered`: its cost replaced a larger upper bound charged while its lease was gone, so spend went down.
+WITH before AS MATERIALIZED (
+    -- As of this statement's snapshot: the hold before spend_settle changes it.
+    SELECT l.status, l.amount, l.note FROM spend_ledger l WHERE l.id = %(hold)s
+)
+SELECT s.charged,
+       coalesce(b.status = 'settled' AND b.note LIKE 'lease gone%%' AND s.charged < b.amount,
+                false) AS lowered
+FROM (SELECT spend_settle(%(hold)s, %(amount)s::numeric, %(energy)s, %(provenance)s,
+                          %(status)s, %(note)s, %(now)s::timestamptz) AS charged) AS s
+LEFT JOIN before b ON true;
 
 -- name: spend_release_dead :one
 -- Release the holds of leases that are gone (a bounded batch).

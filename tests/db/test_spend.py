@@ -17,7 +17,7 @@ from appliance.db.database import Database
 from appliance.db.spend_store import PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.budget import Refusal, RunBudget
-from appliance.domain.envelope import Lane
+from appliance.domain.envelope import Lane, MessageStatus
 from appliance.domain.inference import Tier
 
 A = Decimal("0.000123457")  # one call's worst case: not a round number on purpose
@@ -241,9 +241,18 @@ async def test_a_hold_whose_lease_is_gone_keeps_its_room_until_its_call_settles(
     (again,) = await bus.claim("w", limit=1, now=rerun)
     refused = await reserve(spend, now, lease=again.lease, amount=Decimal("0.6"))
     assert isinstance(refused, Refusal)
-    # The old call ends: its measured cost replaces the upper bound, and room comes back.
+    # Refused for spend alone, it is held for budget (as the runner parks it).
+    assert await spend.hold_budget(again.lease, reason="held_budget: test",
+                                   expires_at=now + timedelta(days=30), now=rerun)  # fmt: skip
+    # The old call ends: its measured cost replaces the upper bound, and room comes back; the
+    # work held meanwhile is woken for it (nothing else would before the month's end).
     assert await spend.settle(hold, amount=Decimal("0.25"), energy_joules=900.0,
                               provenance="estimated", now=now) == Decimal("0.25")  # fmt: skip
+    woken = await bus.get("acme", again.id)
+    assert woken is not None and woken.status is MessageStatus.PENDING
+    log = await bus.store.transitions("acme", again.id)  # type: ignore[attr-defined]
+    assert log[-1]["reason"].startswith("spend_lowered: hold"), log[-1]
+    (again,) = await bus.claim("w", limit=1)
     assert await spend.settle(hold, amount=Decimal("0.25"), energy_joules=900.0,
                               provenance="estimated", now=now) is None  # fmt: skip
     second = await reserve(spend, now, lease=again.lease, amount=Decimal("0.6"))
