@@ -1105,6 +1105,7 @@ BEGIN
     INSERT INTO spend_months (month, scope, created_at) VALUES (m, 'appliance', at)
     ON CONFLICT DO NOTHING;
     UPDATE spend_months SET spent = spent + amount WHERE month = m AND scope = 'appliance';
+    PERFORM spend_alert_check(m, NULL, at);  -- the appliance's scope only
     RETURN amount;
 END
 $$;

@@ -192,6 +192,31 @@ async def test_the_months_amortisation_comes_before_its_first_hold(
     assert await spend.platform_month(now=start) == 0
 
 
+async def test_the_months_amortisation_alerts_like_any_charge(
+    spend: PgSpendStore, db: Database
+) -> None:
+    """Charged without the alert check, an amortisation that alone passed the cap (no work
+    could run all month) recorded no alert (migration 0039)."""
+    await spend.configure(
+        time_zone="UTC", currency="EUR", interactive_share=Decimal("0.2"),
+        alert_fractions=[Decimal("0.5")], amortisation_monthly=Decimal("5"),
+    )  # fmt: skip
+    await spend.set_cap("appliance", Decimal("1.0"))
+    start = datetime(2031, 4, 1, 0, 0, 5, tzinfo=UTC)
+    assert await spend.platform_month(now=start) == Decimal("5")
+    async with db.system_conn() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT scope, fraction FROM spend_alerts WHERE month = '2031-04-01'"
+                " ORDER BY fraction"
+            )
+        ).fetchall()
+    assert [(r["scope"], r["fraction"]) for r in rows] == [
+        ("appliance", Decimal("0.5")),
+        ("appliance", Decimal("1.0")),
+    ]
+
+
 async def test_interactive_keeps_its_share_and_tenants_their_caps(spend: PgSpendStore) -> None:
     now = datetime(2031, 5, 5, tzinfo=UTC)
     await spend.set_cap("appliance", Decimal("1.0"))
