@@ -36,7 +36,7 @@ from appliance.domain.envelope import (
     encode_json,
     idempotency_key,
 )
-from appliance.domain.errors import InvalidInput
+from appliance.domain.errors import InvalidInput, RowBusy
 from appliance.domain.inference import (
     ENERGY_LIMIT,
     TIER_ORDER,
@@ -967,10 +967,15 @@ class Runner:
                 text[:_LOG_CHARS],
             )
             await self._terminate(attempt, f"handler refused its input: {text}", budget=False)
-        except (Exception, KeyboardInterrupt, SystemExit) as exc:
-            # KeyboardInterrupt and SystemExit too: raised by a handler (never by a signal: the
-            # runner handles those), they would leave the event loop and stop the runner, and
-            # every runner that picked the message up after it.
+        except BaseException as exc:
+            # Anything a handler raises, KeyboardInterrupt and SystemExit too (raised by a
+            # handler, never by a signal: the runner handles those; they would leave the event
+            # loop and stop the runner, and every runner that picked the message up after it),
+            # and other BaseExceptions (a library's own cancel signal), which were not written
+            # down at all: the message ran on until its lease lapsed, blamed on a dead worker.
+            # GeneratorExit is the coroutine being closed: nothing may be awaited then.
+            if isinstance(exc, GeneratorExit):
+                raise
             if attempt.stop_reason == AttemptStop.OVERRUN:
                 # Told by a heartbeat that it ran past its deadline, the handler gave up by
                 # raising: the attempt ends as an overrun (expired past the message's
@@ -1509,6 +1514,25 @@ class Runner:
                 self._acks = batch + self._acks
                 self._alone += alone
                 raise
+            except RowBusy:
+                # A row of the batch is held by another session's open transaction (an
+                # operator's SELECT ... FOR UPDATE): retried whole, the batch and every result
+                # queued after it waited for that session. The rest go one by one, and the
+                # held one is tried again after them. The database answered: claims go on.
+                self._acks_answered()
+                if len(batch) > 1:
+                    self._acks = batch + self._acks
+                    self._alone = len(batch)
+                    continue
+                ((attempt, _),) = batch
+                log.warning(
+                    "message %s: its row is locked by another session; its result waits",
+                    attempt.message.id,
+                )
+                self._acks = self._acks + batch
+                if len(self._acks) == 1:
+                    await asyncio.sleep(0.5)
+                continue
             except InvalidInput as exc:
                 # Refused as data, not for want of a database: retried whole, it would fail for
                 # ever and every later result with it. The database answered: claims may go on

@@ -24,7 +24,7 @@ from appliance.domain.envelope import (
     encode_json,
     storable_text,
 )
-from appliance.domain.errors import InvalidInput, UnknownTenant
+from appliance.domain.errors import InvalidInput, RowBusy, UnknownTenant
 from appliance.domain.inference import Tier
 from appliance.domain.ports import (
     AckOutcome,
@@ -214,6 +214,11 @@ def _json_text(value: str | None) -> str:
     return COMPACT_JSON.encode(value)
 
 
+# How long an acknowledgement waits for a row another session holds locked: a claim or a
+# reclaim holds one for milliseconds; past this, the holder keeps a transaction open.
+ACK_LOCK_TIMEOUT = "5s"
+
+
 def complete_params(
     completions: Sequence[Completion], *, actor: str, now: datetime | None
 ) -> dict[str, Any]:
@@ -224,7 +229,7 @@ def complete_params(
         f"{_json_text(c.outcome)}]"
         for c in completions
     )
-    return {"acks": f"[{acks}]", "actor": actor, "now": now}
+    return {"acks": f"[{acks}]", "actor": actor, "now": now, "lock_timeout": ACK_LOCK_TIMEOUT}
 
 
 # A claim's rows: each (the message, or None on the row that only carries the backlog; the
@@ -467,6 +472,10 @@ class PgMessageStore:
                 # (id, applied, status, same_lease, token)
                 cur = conn.cursor(row_factory=tuple_row)
                 rows = await (await cur.execute(q("message_complete"), params)).fetchall()
+        except psycopg.errors.LockNotAvailable:
+            raise RowBusy(
+                f"a row of these {len(completions)} completions is locked by another session"
+            ) from None
         except REFUSED_INPUT as exc:
             # A result or outcome the database cannot hold: the caller's data, never worth
             # sending again as it is (unlike a lost connection).

@@ -47,6 +47,11 @@ class DatabaseUnavailable(ApplianceError):
     """The database cannot be reached (not started, not migrated, wrong address)."""
 
 
+class RowBusy(ApplianceError):
+    """A row the statement had to write stayed locked by another session past the lock
+    timeout: the same write may succeed later (nothing was written)."""
+
+
 class RunnerIdInUse(ConfigurationError):
     """A runner id that another live runner holds: two runners under one id would each take
     the other's stages for its own."""

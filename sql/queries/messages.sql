@@ -26,13 +26,19 @@ FROM enqueue_tenant_requests(
 ) AS e;
 
 -- name: message_complete :many
--- Record results under their leases (a batch: a JSON array of [id, lease token, result, outcome]); a lease that is no longer current changes nothing and is reported with the row's status.
-WITH input AS (
+-- Record results under their leases (a batch: a JSON array of [id, lease token, result, outcome]); a lease that is no longer current changes nothing and is reported with the row's status. A row another session holds locked for over `lock_timeout` fails the statement (lock_not_available) instead of holding every result of the batch behind it.
+WITH waiting AS MATERIALIZED (
+    -- For this statement's own transaction (autocommit): a row held by a session that keeps
+    -- its transaction open (an operator's SELECT ... FOR UPDATE) held the batch, and every
+    -- result queued after it, for up to the statement timeout (minutes).
+    SELECT set_config('lock_timeout', %(lock_timeout)s, true) AS setting
+),
+input AS (
     -- One JSON parameter rather than four arrays: cheaper to write for the client (as for
     -- enqueue, migration 0007), and each result is already JSON.
     SELECT (e.r->>0)::bigint AS id, (e.r->>1)::bigint AS token, e.r->2 AS result,
            e.r->>3 AS outcome
-    FROM jsonb_array_elements(%(acks)s::jsonb) AS e(r)
+    FROM waiting, jsonb_array_elements(%(acks)s::jsonb) AS e(r)
 ),
 done AS (
     UPDATE agent_messages m

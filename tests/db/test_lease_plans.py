@@ -51,7 +51,14 @@ SCALAR = {
     "wait": "interval",
     "alive": "interval",
 }
-ARRAYS = {**SCALAR, "id": "bigint[]", "token": "bigint[]", "extend": "interval", "acks": "jsonb"}
+ARRAYS = {
+    **SCALAR,
+    "id": "bigint[]",
+    "token": "bigint[]",
+    "extend": "interval",
+    "acks": "jsonb",
+    "lock_timeout": "text",
+}
 FENCED = {
     "message_complete": ARRAYS,
     "message_heartbeat_many": ARRAYS,
@@ -91,6 +98,7 @@ def values(name: str, leases: list[LeaseRef]) -> dict[str, Any]:
         "stage": "p/s",
         "wait": "1 hour",
         "alive": "30 seconds",
+        "lock_timeout": "5s",
     }
 
 

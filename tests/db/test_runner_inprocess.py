@@ -61,6 +61,14 @@ async def exits(ctx: StageContext) -> StageResult:
     raise SystemExit(3)
 
 
+class LibrarySignal(BaseException):
+    """A BaseException of a library's own (neither Exception nor a cancellation)."""
+
+
+async def signals(ctx: StageContext) -> StageResult:
+    raise LibrarySignal("stop here")
+
+
 async def self_cancels(ctx: StageContext) -> StageResult:
     raise asyncio.CancelledError
 
@@ -119,6 +127,7 @@ PIPES = [
     Pipeline("interrupts", (Stage("run", interrupts, max_attempts=1),)),
     Pipeline("exits", (Stage("run", exits, max_attempts=1),)),
     Pipeline("self_cancels", (Stage("run", self_cancels, max_attempts=1),)),
+    Pipeline("signals", (Stage("run", signals, max_attempts=1),)),
     Pipeline("unprintable", (Stage("run", unprintable, max_attempts=1),)),
     Pipeline("stubborn", (Stage("run", stubborn),)),
     Pipeline("sleepy", (Stage("run", sleepy),)),
@@ -262,6 +271,7 @@ async def test_a_result_that_is_not_json_fails_the_attempt_clearly(running) -> N
         # These were written nowhere: the lease lapsed and the reclaimer blamed a dead worker.
         ("self_cancels", "handler raised CancelledError"),
         ("unprintable", "Unprintable: (its message could not be rendered)"),
+        ("signals", "LibrarySignal: stop here"),
     ],
 )
 async def test_a_handler_raising_anything_fails_only_its_attempt(
@@ -1473,6 +1483,52 @@ async def test_a_heartbeat_that_finds_a_lease_row_held_says_so_and_the_next_exte
             assert attempt.task is not None
             attempt.task.cancel()
             await asyncio.gather(attempt.task, return_exceptions=True)
+
+
+gate_open = asyncio.Event()
+
+
+async def waits_for_gate_open(ctx: StageContext) -> StageResult:
+    await gate_open.wait()
+    return ctx.finish({"gated": True})
+
+
+async def test_a_result_whose_row_another_session_holds_waits_alone(
+    fresh_db: Endpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An acknowledgement waited on row locks: one row held by a session that keeps its
+    # transaction open (an operator's SELECT ... FOR UPDATE) held the whole batch, and every
+    # result queued after it, for up to the statement timeout (5 minutes), while the runner
+    # went on claiming. Now only that result waits.
+    monkeypatch.setattr("appliance.db.message_store.ACK_LOCK_TIMEOUT", "200ms", raising=False)
+    pipes = [
+        Pipeline("gated", (Stage("run", waits_for_gate_open),)),
+        Pipeline("quick", (Stage("run", quick),)),
+    ]
+    config = RunnerConfig(
+        worker_id="locks", concurrency=8, lease=timedelta(seconds=20),
+        poll_interval=timedelta(seconds=1),
+    )  # fmt: skip
+    async with (
+        opened(fresh_db, pipes) as store,
+        serving(store, pipes, config, PgDoorbell(fresh_db.system), gate_open) as runner,
+    ):
+        bus = Bus(store)
+        held = await bus.enqueue(**request(bus, "gated", "held"))
+        await wait_status(bus, held.id, MessageStatus.RUNNING)
+        async with await psycopg.AsyncConnection.connect(fresh_db.admin) as operator:
+            await operator.execute(
+                "SELECT 1 FROM appliance.agent_messages WHERE id = %s FOR UPDATE", (held.id,)
+            )
+            gate_open.set()  # its result is queued; its row is locked
+            others = [await bus.enqueue(**request(bus, "quick", f"q{i}")) for i in range(5)]
+            for r in others:
+                await wait_status(bus, r.id, MessageStatus.DONE)
+            got = await bus.get("acme", held.id)
+            assert got is not None and got.status is MessageStatus.RUNNING
+            await operator.rollback()
+        await wait_status(bus, held.id, MessageStatus.DONE)
+        assert runner.stats.completed == 6 and runner.stats.late_acks == 0
 
 
 class _Tiers:

@@ -789,6 +789,7 @@ _ACK_PARAM_TYPES = {
     "id": "bigint[]",
     "token": "bigint[]",
     "extend": "interval",
+    "lock_timeout": "text",
 }
 
 
@@ -820,6 +821,7 @@ async def test_kept_plans_are_remade_when_the_envelope_outgrows_its_statistics(
                 "id": [],
                 "token": [],
                 "extend": LEASE,
+                "lock_timeout": "5s",
             }
             for call in calls.values():  # the generic plans, made on the empty table
                 await cur.execute(call, empty)
@@ -837,6 +839,7 @@ async def test_kept_plans_are_remade_when_the_envelope_outgrows_its_statistics(
                     "id": [x.message_id for x in leases],
                     "token": [x.lease_token for x in leases],
                     "extend": LEASE,
+                    "lock_timeout": "5s",
                 }
                 return await explain(cur, calls[name], values)
 
