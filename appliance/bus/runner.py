@@ -1171,8 +1171,8 @@ class Runner:
         )
 
     async def _enqueue_spawned(self, attempt: _Attempt) -> None:
-        """Follow-up work, enqueued before the completion is acknowledged (a retried attempt
-        finds its keys taken and enqueues nothing twice)."""
+        """Follow-up work, enqueued before the completion is acknowledged, while the attempt's
+        lease holds (a retried attempt finds its keys taken and enqueues nothing twice)."""
         message = attempt.message
         requests = [
             # Keyed by the bus itself, in its derived namespace (run, "stage#spawn:key"), which
@@ -1195,12 +1195,16 @@ class Runner:
             )
             for spawn in attempt.context.spawned
         ]
-        await self.store.enqueue(
+        # Under the attempt's lease: one cancelled (or lost) while its handler ran spawns
+        # nothing; its completion is refused as late.
+        if not await self.store.enqueue_spawned(
+            attempt.lease,
             requests,
             retention=self.config.idempotency_retention,
             default_max_attempts=self.config.max_attempts,
-            now=None,
-        )
+        ):
+            log.info("message %s: its lease is gone; the work it spawned is not enqueued",
+                     message.id)  # fmt: skip
 
     async def _hold_budget(self, attempt: _Attempt, reason: str) -> None:
         if self.governor is None:

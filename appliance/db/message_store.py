@@ -93,7 +93,7 @@ def _raced(applied: bool, status: str | None, same_lease: bool | None) -> bool:
     return not applied and bool(same_lease) and status == MessageStatus.RUNNING
 
 
-def _chunks(requests: Sequence[EnqueueRequest]) -> list[Sequence[EnqueueRequest]]:
+def enqueue_chunks(requests: Sequence[EnqueueRequest]) -> list[Sequence[EnqueueRequest]]:
     """The requests in statements of at most ENQUEUE_CHUNK requests and, beyond a first
     request, ENQUEUE_STATEMENT_BYTES of contexts and directives (UTF-8 at most 4 bytes a
     character; the rest of a request is a few hundred bytes)."""
@@ -182,7 +182,7 @@ def _requests_json(requests: Sequence[EnqueueRequest]) -> str:
     return "".join(out)
 
 
-def _enqueue_params(
+def enqueue_params(
     requests: Sequence[EnqueueRequest],
     retention: timedelta,
     now: datetime | None,
@@ -283,8 +283,8 @@ class PgMessageStore:
                 first[k] = len(unique)
                 unique.append(req)
         statements = [
-            _enqueue_params(chunk, retention, now, default_max_attempts)
-            for chunk in _chunks(unique)
+            enqueue_params(chunk, retention, now, default_max_attempts)
+            for chunk in enqueue_chunks(unique)
         ]
         tenants = {r.tenant for r in unique}
         scope = next(iter(tenants)) if len(tenants) == 1 else None

@@ -17,12 +17,14 @@ from psycopg.types.json import Jsonb
 from appliance.db.message_store import (
     SYSTEM_ACTOR,
     PgMessageStore,
+    enqueue_chunks,
+    enqueue_params,
     run_batches,
     run_fenced,
     stage_array,
 )
 from appliance.db.queries import q
-from appliance.domain.envelope import LeaseRef, storable_text
+from appliance.domain.envelope import EnqueueRequest, LeaseRef, storable_text
 from appliance.domain.inference import CallRecord, Tier
 from appliance.domain.pipeline import Pipeline
 from appliance.domain.ports import RUNNER_ALIVE, BusStatus, IdHolder, RunnerInfo
@@ -324,6 +326,32 @@ class PgRunnerStore(PgMessageStore):
                     stale = await self._retier(conn, pipeline.name, retier)
             if retier and stale:
                 await self._retier_skipped(pipeline.name, retier)
+
+    async def enqueue_spawned(
+        self,
+        lease: LeaseRef,
+        requests: Sequence[EnqueueRequest],
+        *,
+        retention: timedelta,
+        default_max_attempts: int,
+    ) -> bool:
+        """Enqueue the work an attempt spawned, in one transaction with its row locked under
+        its lease; False (nothing enqueued) when the lease is no longer current (the message
+        was cancelled, or reclaimed): a completion that will be refused spawns nothing."""
+        unique = list({(r.tenant, r.idempotency_key): r for r in requests}.values())
+        if not unique:
+            return True
+        async with self.db.system_tx() as conn:
+            cur = await conn.execute(
+                q("message_lease_lock"), {"id": lease.message_id, "token": lease.lease_token}
+            )
+            if await cur.fetchone() is None:
+                return False
+            for chunk in enqueue_chunks(unique):
+                params = enqueue_params(chunk, retention, None, default_max_attempts)
+                params["scope"] = unique[0].tenant
+                await conn.execute(q("message_enqueue"), params)
+        return True
 
     async def item_stage_holders(
         self, tenant: str, *, pipeline: str, stage: str, source: str, source_id: str

@@ -236,6 +236,17 @@ class MessageStore(Protocol):
 class RunnerStore(MessageStore, Protocol):
     """What the stage runner needs beyond the envelope's basic paths."""
 
+    async def enqueue_spawned(
+        self,
+        lease: LeaseRef,
+        requests: Sequence[EnqueueRequest],
+        *,
+        retention: timedelta,
+        default_max_attempts: int,
+    ) -> bool:
+        """Enqueue an attempt's spawned work while its lease holds (False: it does not)."""
+        ...
+
     async def claim_lane(
         self,
         *,

@@ -213,6 +213,14 @@ SELECT i.id, i.token,
 FROM input i
 LEFT JOIN agent_messages m ON m.id = i.id;
 
+-- name: message_lease_lock :one
+-- Lock a running attempt's row under its lease until the transaction ends, waiting at most 5 s for another session's lock (none: the lease is not current, or the row stayed locked).
+SELECT m.id
+FROM (SELECT set_config('lock_timeout', '5s', true)) AS waiting,
+     agent_messages m
+WHERE m.id = %(id)s AND m.lease_token = %(token)s AND m.lease_expires_at IS NOT NULL
+FOR UPDATE OF m;
+
 -- name: message_release :many
 -- Give leases back without counting the attempt (graceful shutdown, or claimed-ahead work that
 -- never started): running -> pending now, keeping its place in line (its not_before).

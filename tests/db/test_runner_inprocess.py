@@ -594,6 +594,48 @@ async def test_spawned_work_is_enqueued_under_the_bus_settings(fresh_db: Endpoin
     ]
 
 
+spawn_gate = asyncio.Event()
+
+
+async def spawns_after_gate(ctx: StageContext) -> StageResult:
+    await spawn_gate.wait()
+    ctx.spawn("leaf", "child")
+    return ctx.finish()
+
+
+LATE_SPAWN = [
+    Pipeline("late", (Stage("run", spawns_after_gate), Stage("leaf", quick))),
+]
+
+
+async def test_an_attempt_cancelled_while_it_ran_spawns_nothing(fresh_db: Endpoints) -> None:
+    # Cancelled while its handler ran, before the next heartbeat told it: the handler spawned
+    # a child and returned. Its completion was refused (late), but the child was enqueued and
+    # ran: spawns went in before, and apart from, the fenced completion.
+    config = RunnerConfig(
+        worker_id="late", lease=timedelta(seconds=30), poll_interval=timedelta(seconds=1)
+    )
+    async with (
+        opened(fresh_db, LATE_SPAWN) as store,
+        serving(store, LATE_SPAWN, config, None, spawn_gate) as runner,
+    ):
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "late", "parent"))
+        await wait_status(bus, r.id, MessageStatus.RUNNING)
+        assert await bus.cancel("acme", r.id, reason="operator")
+        spawn_gate.set()  # well before the next heartbeat (every 10 s)
+        for _ in range(100):
+            if runner.stats.late_acks:
+                break
+            await asyncio.sleep(0.05)
+        assert runner.stats.late_acks == 1
+        async with store.db.system_conn() as conn:
+            rows = await (
+                await conn.execute("SELECT stage, status FROM agent_messages ORDER BY id")
+            ).fetchall()
+    assert [(row["stage"], row["status"]) for row in rows] == [("run", "cancelled")]
+
+
 async def spawns_big(ctx: StageContext) -> StageResult:
     ctx.spawn("leaf", "big", context={"blob": "x" * 2000})
     return ctx.finish()

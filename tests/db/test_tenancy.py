@@ -11,7 +11,7 @@ from psycopg.rows import dict_row
 
 from appliance.bus.core import Bus
 from appliance.db.database import RUNTIME_OPTIONS, Database, Endpoints
-from appliance.db.message_store import _enqueue_params
+from appliance.db.message_store import enqueue_params
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
 from appliance.domain.envelope import Lane, MessageStatus
@@ -108,7 +108,7 @@ async def test_tenant_sees_and_touches_only_its_rows(bus: Bus, db: Database) -> 
     request = bus.request(
         tenant="globex", pipeline="demo", stage="x", source="t", source_id="evil", directive="d"
     )
-    params = {**_enqueue_params([request], timedelta(days=1), None), "scope": "acme"}
+    params = {**enqueue_params([request], timedelta(days=1), None), "scope": "acme"}
     with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
         async with db.tenant_tx("acme") as conn:
             await conn.execute(q("message_enqueue_tenant"), params)
@@ -159,7 +159,7 @@ async def test_no_tenant_set_sees_nothing_and_writes_nothing(bus: Bus, db: Datab
             tenant="acme", pipeline="demo", stage="x", source="t", source_id="no-tenant",
             directive="d",
         )  # fmt: skip
-        params = _enqueue_params([request], timedelta(days=1), None)
+        params = enqueue_params([request], timedelta(days=1), None)
         for scope in (None, "", "globex"):
             with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
                 async with conn.transaction():
@@ -525,14 +525,14 @@ async def test_the_tenant_enqueue_is_held_to_its_transactions_tenant(
     mine = bus.request(
         tenant="acme", pipeline="demo", stage="x", source="t", source_id="1", directive="d"
     )
-    scoped = {**_enqueue_params([theirs], timedelta(days=1), None), "scope": "globex"}
+    scoped = {**enqueue_params([theirs], timedelta(days=1), None), "scope": "globex"}
     # Scoped to another tenant than the transaction's: refused (it would move the transaction).
     with pytest.raises(psycopg.errors.InsufficientPrivilege, match="transaction of tenant acme"):
         async with db.tenant_tx("acme") as conn:
             await conn.execute(q("message_enqueue_tenant"), scoped)
     # Keys born expired would be taken over by the next enqueue of the same key.
     for retention in (timedelta(0), timedelta(days=-1)):
-        unkept = {**_enqueue_params([mine], retention, None), "scope": "acme"}
+        unkept = {**enqueue_params([mine], retention, None), "scope": "acme"}
         with pytest.raises(psycopg.errors.InvalidParameterValue, match="retention"):
             async with db.tenant_tx("acme") as conn:
                 await conn.execute(q("message_enqueue_tenant"), unkept)
@@ -565,7 +565,7 @@ async def test_the_tenant_functions_take_no_infinite_clock(bus: Bus, db: Databas
             ("SELECT * FROM redrive_messages(ARRAY[%s]::bigint[], 'a', %s::timestamptz, false)",
              (dead, clock)),
             ("SELECT * FROM enqueue_tenant_requests(%s::timestamptz, '1 day', %s::jsonb, 5,"
-             " 'acme')", (clock, _enqueue_params([req], timedelta(days=1), None)["requests"])),
+             " 'acme')", (clock, enqueue_params([req], timedelta(days=1), None)["requests"])),
         ]  # fmt: skip
         for statement, args in calls:
             with pytest.raises(psycopg.errors.InvalidParameterValue, match="not a finite time"):
