@@ -79,6 +79,9 @@ HELD_SHARE_OF_LEASE = 0.25
 STOP_GRACE_S = 5.0
 # How long a cancelled handler has to end before it counts as ignoring cancellation.
 ABANDON_AFTER_S = 1.0
+# How long a drain tries to acknowledge the results waiting before it stops the handlers
+# left (each time; the stop's last step tries once more).
+DRAIN_ACK_S = 2.0
 # How soon leases that a heartbeat found held by another statement are asked again.
 BUSY_REBEAT_S = 0.5
 
@@ -1701,6 +1704,13 @@ class Runner:
         if self._giving_back:
             await asyncio.wait(list(self._giving_back), timeout=5.0)
 
+    async def _flush_acks_for(self, seconds: float) -> None:
+        """Acknowledge the results waiting, trying for at most `seconds` (those left stay
+        queued: cancelled mid-statement, a batch goes back to the queue)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._flush_acks()
+
     async def _drain(self) -> None:
         if self._side_claim is not None:
             # A claim in flight holds what it returns (nothing starts while stopping).
@@ -1710,7 +1720,10 @@ class Runner:
         if tasks:
             log.info("draining %d running handlers", len(tasks))
             await asyncio.wait(tasks, timeout=self.config.drain_timeout.total_seconds())
-        await self._flush_acks()
+        # Bounded: while acknowledgements fail (it retries them until they commit), the
+        # handlers still running were never stopped nor their leases given back, and ran on
+        # after the runner had stopped. The results left are tried again below and last.
+        await self._flush_acks_for(DRAIN_ACK_S)
         left = [a for a in self._attempts.values() if not a.acked]
         if not left:
             return
@@ -1723,7 +1736,7 @@ class Runner:
         if pending:
             await asyncio.wait(pending, timeout=1.0)
         # A handler may still have returned in that last second: its result wins.
-        await self._flush_acks()
+        await self._flush_acks_for(DRAIN_ACK_S)
         left = [a for a in left if not a.acked]
         leases = [a.lease for a in left]
         try:

@@ -1298,6 +1298,40 @@ class RefusedAcks(PgRunnerStore):
         return await super().claim_lane(**kw)
 
 
+async def test_a_stop_while_results_cannot_be_stored_still_stops_and_releases_the_handlers(
+    fresh_db: Endpoints,
+) -> None:
+    # The drain acknowledged the waiting results first, retrying until they committed: with
+    # acknowledgements failing it never got to stop the handlers still running or give their
+    # leases back (they ran on after the runner stopped, and lapsed as counted attempts).
+    pipes = [
+        Pipeline("patient", (Stage("run", patient),)),
+        Pipeline("quick", (Stage("run", quick),)),
+    ]
+    config = RunnerConfig(
+        worker_id="stuck", concurrency=4, lease=timedelta(seconds=30),
+        poll_interval=timedelta(seconds=1), drain_timeout=timedelta(seconds=0.3),
+        cancel_grace=timedelta(seconds=0.3),
+    )  # fmt: skip
+    async with opened_as(fresh_db, pipes, RefusedAcks) as store:
+        bus = Bus(store)
+        slow = await bus.enqueue(**request(bus, "patient", "slow"))
+        async with serving(store, pipes, config, PgDoorbell(fresh_db.system)) as runner:
+            await wait_status(bus, slow.id, MessageStatus.RUNNING)
+            store.refusing = True
+            fast = await bus.enqueue(**request(bus, "quick", "fast"))
+            await asyncio.wait_for(store.first_refusal.wait(), 10)
+            began = time.monotonic()
+        took = time.monotonic() - began  # the stop, on leaving `serving`
+        assert all(a.task is None or a.task.done() for a in runner._attempts.values())
+        got = await bus.get("acme", slow.id)  # stopped, and its lease given back uncounted
+        assert got is not None and got.status is MessageStatus.PENDING and got.attempts == 0
+        assert runner.stats.released >= 1
+        assert took < config.drain_timeout.total_seconds() + 10
+        left = await bus.get("acme", fast.id)
+        assert left is not None and left.status is MessageStatus.RUNNING  # its lease lapses
+
+
 class _FailThenRefuse(PgRunnerStore):
     """The store whose first acknowledgement fails (the database away), and whose second is
     refused as data; later ones go through."""
