@@ -299,6 +299,8 @@ class Runner:
         # The last acknowledgement failed (the database took the claims but not the results):
         # no claims until one commits, or results would pile up unacknowledged.
         self._acks_failing = False
+        # This clock minus the database's, as the last claim showed (see _claim_into).
+        self._db_skew = timedelta(0)
         self._ack_ready = asyncio.Event()
         self._wake = asyncio.Event()
         # Lanes that may hold claimable work: set by the doorbell (its payload is the lane), by
@@ -639,6 +641,11 @@ class Runner:
         if messages:
             # A claim that got all it asked for: a backlog, results arriving claim after claim.
             self._claims_full = len(messages) >= asked
+        if messages:
+            # How far this machine's clock is from the database's (which stamped the claim):
+            # the deadlines a claim returns are the database's, and the handlers' timeouts are
+            # measured on this clock.
+            self._db_skew = self.clock() - max(m.updated_at for m in messages)
         now = asyncio.get_running_loop().time()
         for message in messages:
             self._hold(message, now)
@@ -737,9 +744,13 @@ class Runner:
         self._wake.set()
 
     def _deadline_of(self, message: Message) -> datetime | None:
+        """The attempt's deadline (its run deadline, or its message's if sooner) on this
+        runner's clock: the database's time, moved by the skew the last claim showed. Read on
+        this clock as it was, a clock ahead of the database's by a stage's maximum runtime
+        ended every handler at its first await."""
         run_deadline = message.extra.get("run_deadline")
         candidates = [d for d in (message.deadline, run_deadline) if d is not None]
-        return min(candidates) if candidates else None
+        return min(candidates) + self._db_skew if candidates else None
 
     def _hold(self, message: Message, now: float) -> None:
         """Hold a claimed message until a slot frees, with a time by which it must start.
@@ -1399,7 +1410,7 @@ class Runner:
         attempt.settling = True
         message = attempt.message
         now = self.clock()
-        if message.deadline is not None and now >= message.deadline:
+        if message.deadline is not None and now >= message.deadline + self._db_skew:
             with contextlib.suppress(Exception):
                 await self.store.expire_running(
                     attempt.lease, reason="deadline_passed", actor=self.config.worker_id, now=None

@@ -1274,6 +1274,33 @@ async def test_a_runner_whose_clock_runs_ahead_of_the_database_still_runs_its_cl
             assert runner.stats.completed == 6
 
 
+async def naps(ctx: StageContext) -> StageResult:
+    await asyncio.sleep(0.01)
+    return ctx.finish({"napped": True})
+
+
+NAPS = [Pipeline("naps", (Stage("run", naps, max_runtime=timedelta(seconds=30), max_attempts=2),))]
+
+
+async def test_a_runner_whose_clock_runs_ahead_gives_its_handlers_their_runtime(
+    fresh_db: Endpoints,
+) -> None:
+    # The handler's timeout was the run deadline (the database's time) less this machine's
+    # clock: 45 s ahead, a 30 s stage ended every handler at its first await, attempt after
+    # attempt, until the message was dead.
+    async with opened(fresh_db, NAPS) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "naps"))
+        config = RunnerConfig(worker_id="ahead", concurrency=4, poll_interval=timedelta(seconds=1))
+
+        def ahead() -> datetime:
+            return datetime.now(UTC) + timedelta(seconds=45)
+
+        async with serving(store, NAPS, config, None, clock=ahead) as runner:
+            await wait_status(bus, r.id, MessageStatus.DONE)
+            assert runner.stats.completed == 1 and runner.stats.failed == 0
+
+
 class RefusedAcks(PgRunnerStore):
     """The product's store whose acknowledgements fail while `refusing` (a database that takes
     claims but not results: a lock held on a table the completion writes, a full disk)."""
