@@ -14,7 +14,7 @@ from appliance.bus.core import Bus, BusConfig
 from appliance.db import message_store
 from appliance.db.database import Database, Endpoints
 from appliance.db.message_rows import message_rows, row_to_message
-from appliance.db.message_store import PgMessageStore, _enqueue_params
+from appliance.db.message_store import PgMessageStore, enqueue_params
 from appliance.db.queries import q
 from appliance.domain.envelope import LEGAL_TRANSITIONS, EnqueueRequest, Lane, MessageStatus
 from appliance.domain.errors import InvalidInput, UnknownTenant
@@ -127,7 +127,7 @@ async def test_same_key_in_two_tenants_gives_two_rows(bus: Bus) -> None:
 
 async def test_first_inserter_rolls_back_next_is_new(bus: Bus, db: Database) -> None:
     request = req(bus, "rollback")
-    params = _enqueue_params([request], timedelta(days=90), None)
+    params = enqueue_params([request], timedelta(days=90), None)
     async with db.app_pool.connection() as conn:
         await conn.set_autocommit(False)
         await conn.execute(q("tenant_set"), {"tenant": "acme"})
@@ -729,11 +729,11 @@ async def test_a_batch_too_large_for_one_statement_goes_in_several_all_or_nothin
 
 def test_statements_are_cut_by_count_and_by_bytes(bus: Bus) -> None:
     small = [req(bus, f"s{i}") for i in range(2500)]
-    assert [len(c) for c in message_store._chunks(small)] == [1000, 1000, 500]
+    assert [len(c) for c in message_store.enqueue_chunks(small)] == [1000, 1000, 500]
     big = req(bus, "big", context={"blob": "y" * 600_000})  # 2.4 MB counted
-    sizes = [len(c) for c in message_store._chunks([big] * 60)]
+    sizes = [len(c) for c in message_store.enqueue_chunks([big] * 60)]
     assert sizes == [27, 27, 6]  # 64 MiB / 2.4 MB
-    assert [len(c) for c in message_store._chunks([])] == []
+    assert [len(c) for c in message_store.enqueue_chunks([])] == []
 
 
 async def test_a_request_never_carries_more_context_than_the_bus_allows(db: Database) -> None:

@@ -109,11 +109,13 @@ def test_a_meter_that_keeps_failing_stops_the_call() -> None:
 def test_a_failed_reading_is_tried_again_and_the_limit_still_holds() -> None:
     # One transient failure used to end the checks for the rest of the call: the energy then
     # rose to ten times the limit unstopped.
-    readings = iter([OSError("busy"), 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    readings: Iterator[float | OSError] = iter(
+        [OSError("busy"), 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    )
 
     def flaky() -> float:
         value = next(readings)
-        if isinstance(value, Exception):
+        if isinstance(value, OSError):
             raise value
         return value
 
