@@ -372,15 +372,15 @@ async def test_a_generation_that_ended_is_never_cut_after_the_fact(
         await pool.close()
 
 
-async def test_a_meter_that_cannot_be_read_mid_call_leaves_the_call_whole() -> None:
+async def test_a_meter_that_cannot_be_read_mid_call_stops_the_call() -> None:
     pool = InferencePool([spec(Tier.MECHANICAL)], cores=2, meter=ClockMeter(1.0, used_fails=True))
     await pool.start()
     try:
         result = await pool.infer(ramble(16), Tier.MECHANICAL, CallControl(energy_limit=1e-6))
-        # Unchecked (and logged), not failed: its energy at the end still comes back, and the
-        # governor notes a cost above the hold.
-        assert result.finish_reason == "length" and result.completion_tokens == 16
-        assert result.energy_joules is not None and result.energy_joules > 1e-6
+        # Left unchecked, it ran whole and settled past its hold at the energy read at its end.
+        # Three failed readings in a row stop it, its text so far kept, its energy still read.
+        assert result.finish_reason == "energy_limit" and result.completion_tokens < 16
+        assert result.energy_joules is not None
     finally:
         await pool.close()
 
