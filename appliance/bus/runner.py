@@ -79,6 +79,10 @@ HELD_SHARE_OF_LEASE = 0.25
 STOP_GRACE_S = 5.0
 # How long a cancelled handler has to end before it counts as ignoring cancellation.
 ABANDON_AFTER_S = 1.0
+# The reason a message deferred because the model pool had no room for a handler's call is
+# logged with, and how many such deferrals it gets before the next is a failed attempt.
+POOL_FULL = "deferred_pool_full"
+POOL_FULL_DEFERRALS = 10
 # How long a drain tries to acknowledge the results waiting before it stops the handlers
 # left (each time; the stop's last step tries once more).
 DRAIN_ACK_S = 2.0
@@ -955,9 +959,23 @@ class Runner:
             await self._give_back_step(attempt)
             await self._defer(attempt, exc.reason)
         except QueueFull as exc:
-            # The pool had no room after all (several calls in one handler): not a failure.
+            # The pool had no room after all (several calls in one handler): not a failure,
+            # unless it keeps happening. A handler that always starts more calls at once than
+            # the pool has room for was deferred for ever, its sibling calls using the pool
+            # each time; after POOL_FULL_DEFERRALS it is a failed attempt like any other.
             await self._give_back_step(attempt)
-            await self._defer(attempt, f"deferred: {exc}")
+            try:
+                before = await self.store.deferrals(message.id, POOL_FULL)
+            except Exception:
+                before = 0  # not known: deferred, as before
+            if before >= POOL_FULL_DEFERRALS:
+                await self._fail(
+                    attempt,
+                    f"the model pool had no room for this stage's calls {before + 1} times"
+                    f" (does it start more calls at once than the pool takes?): {exc}",
+                )
+            else:
+                await self._defer(attempt, f"{POOL_FULL}: {exc}")
         except BudgetHeld as exc:
             # No hold against the monthly cap: it waits for a raised cap or a new month. Never a
             # retry (that would be a storm against a closed cap).

@@ -327,6 +327,14 @@ class PgRunnerStore(PgMessageStore):
             if retier and stale:
                 await self._retier_skipped(pipeline.name, retier)
 
+    async def deferrals(self, message_id: int, reason: str) -> int:
+        """How many times the message was deferred with a reason starting `reason` (read
+        from its transition log, by the log's message index)."""
+        params = {"id": message_id, "prefix": reason.replace("%", r"\%").replace("_", r"\_") + "%"}
+        async with self.db.system_conn() as conn:
+            row = await (await conn.execute(q("message_deferrals"), params)).fetchone()
+        return int(row["n"]) if row else 0
+
     async def enqueue_spawned(
         self,
         lease: LeaseRef,

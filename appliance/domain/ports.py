@@ -236,6 +236,10 @@ class MessageStore(Protocol):
 class RunnerStore(MessageStore, Protocol):
     """What the stage runner needs beyond the envelope's basic paths."""
 
+    async def deferrals(self, message_id: int, reason: str) -> int:
+        """How many times the message was deferred with a reason starting `reason` (its log)."""
+        ...
+
     async def enqueue_spawned(
         self,
         lease: LeaseRef,

@@ -25,7 +25,7 @@ from appliance.db.runner_store import PgRunnerStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.envelope import EnqueueRequest, Lane, MessageStatus
 from appliance.domain.errors import InvalidInput
-from appliance.domain.inference import Tier
+from appliance.domain.inference import QueueFull, Tier
 from appliance.domain.pipeline import Pipeline, Registry, Stage, StageContext, StageResult
 from appliance.domain.ports import LaneClaim
 from appliance.domain.retry import RetryPolicy
@@ -1632,6 +1632,41 @@ async def test_a_result_whose_row_another_session_holds_waits_alone(
             await operator.rollback()
         await wait_status(bus, held.id, MessageStatus.DONE)
         assert runner.stats.completed == 6 and runner.stats.late_acks == 0
+
+
+async def always_overfills(ctx: StageContext) -> StageResult:
+    # As a handler that starts more model calls at once than the pool takes, every time.
+    raise QueueFull("the mechanical tier's queue is full")
+
+
+OVERFILLS = [Pipeline("overfills", (Stage("run", always_overfills, max_attempts=1),))]
+
+
+async def test_a_handler_the_pool_never_has_room_for_fails_after_its_deferrals(
+    fresh_db: Endpoints,
+) -> None:
+    # Deferred without counting an attempt whenever the pool had no room, such a handler was
+    # deferred for ever (its sibling calls using the pool each time). Now the deferrals are
+    # counted in its log, and the one after the last allowed is a failed attempt.
+    from appliance.bus.runner import POOL_FULL, POOL_FULL_DEFERRALS
+
+    config = RunnerConfig(
+        worker_id="full", concurrency=4, poll_interval=timedelta(seconds=1),
+        budget_busy_delay=timedelta(milliseconds=10),
+    )  # fmt: skip
+    async with opened(fresh_db, OVERFILLS) as store:
+        bus = Bus(store)
+        r = await bus.enqueue(**request(bus, "overfills"))
+        async with serving(store, OVERFILLS, config, PgDoorbell(fresh_db.system)):
+            await wait_status(bus, r.id, MessageStatus.DEAD, timeout=30)
+        assert await store.deferrals(r.id, POOL_FULL) == POOL_FULL_DEFERRALS
+        assert await store.deferrals(r.id, "deferred_pool") == POOL_FULL_DEFERRALS
+        assert await store.deferrals(r.id, "deferred%pool") == 0  # a pattern, taken literally
+        got = await bus.get("acme", r.id)
+        assert got is not None and got.attempts == 1
+        assert f"had no room for this stage's calls {POOL_FULL_DEFERRALS + 1} times" in (
+            got.error or ""
+        )
 
 
 class _Tiers:
