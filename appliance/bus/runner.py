@@ -521,6 +521,12 @@ class Runner:
             # result is queued, so claims would go on taking work whose results (and leases,
             # lapsing meanwhile) are then lost to a re-run elsewhere. A commit wakes us.
             return 0
+        if self._wedged():
+            # As many handlers as slots ignore cancellation and run on: their slots were
+            # given back (so that one could not take the runner's capacity), but each new
+            # claim of a stage whose handlers wedge added one more task for ever. No claims
+            # until one of them ends (which wakes us); the work waits for other runners.
+            return 0
         now_mono = time.monotonic()
         if now_mono - self._last_reclaim >= self.config.reclaim_every.total_seconds():
             self._last_reclaim = now_mono
@@ -1700,8 +1706,28 @@ class Runner:
         # (cancelled) or will (the reclaimer).
         self.stats.abandoned += 1
         self._abandoned_tasks.add(task)
-        task.add_done_callback(self._abandoned_tasks.discard)  # kept only while it runs
+        task.add_done_callback(self._abandoned_ended)  # kept only while it runs
+        if self._wedged():
+            log.error(
+                "%d handlers ignore cancellation and run on (the last: %s.%s); no claims until"
+                " one of them ends",
+                len(self._abandoned_tasks),
+                attempt.message.pipeline,
+                attempt.message.stage,
+            )
         self._finish(attempt)
+
+    def _wedged(self) -> bool:
+        """As many abandoned handlers run on as the runner has slots: it claims no more."""
+        return len(self._abandoned_tasks) >= self.config.concurrency
+
+    def _abandoned_ended(self, task: asyncio.Task[None]) -> None:
+        was_wedged = self._wedged()
+        self._abandoned_tasks.discard(task)
+        if was_wedged and not self._wedged():
+            log.info("an abandoned handler ended; claiming again")
+            self._hint(*Lane)
+            self._wake.set()
 
     def abandoned_tasks(self) -> list[asyncio.Task[None]]:
         """Handler tasks that ignored cancellation and are still running."""

@@ -1669,6 +1669,60 @@ async def test_a_handler_the_pool_never_has_room_for_fails_after_its_deferrals(
         )
 
 
+wedged_may_end = asyncio.Event()
+wedged_alive: list[int] = [0, 0]  # now, most at once
+
+
+async def wedges(ctx: StageContext) -> StageResult:
+    wedged_alive[0] += 1
+    wedged_alive[1] = max(wedged_alive[1], wedged_alive[0])
+    try:
+        while not wedged_may_end.is_set():
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                continue  # ignores every cancellation
+        return ctx.finish()
+    finally:
+        wedged_alive[0] -= 1
+
+
+WEDGES = [Pipeline("wedges", (Stage("run", wedges, max_runtime=timedelta(seconds=1)),))]
+
+
+async def test_handlers_that_ignore_cancellation_pile_up_no_further_than_the_slots(
+    fresh_db: Endpoints,
+) -> None:
+    # Each abandoned handler gave its slot back and ran on: a stage whose handlers all wedge
+    # added one more running task for every message claimed (all 12 at once with 4 slots).
+    # Now the runner claims nothing while as many run on abandoned as it has slots (those
+    # running then are given up on too), and claims again once one ends.
+    config = RunnerConfig(
+        worker_id="wedged", concurrency=4, lease=timedelta(seconds=3),
+        poll_interval=timedelta(seconds=1), cancel_grace=timedelta(seconds=0.2),
+    )  # fmt: skip
+    wedged_alive[:] = [0, 0]
+    wedged_may_end.clear()
+    async with opened(fresh_db, WEDGES) as store:
+        bus = Bus(store)
+        ids = [(await bus.enqueue(**request(bus, "wedges", f"w{i}"))).id for i in range(12)]
+        async with serving(
+            store, WEDGES, config, PgDoorbell(fresh_db.system), wedged_may_end
+        ) as runner:
+            for _ in range(200):
+                if runner.stats.abandoned >= config.concurrency:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(4)  # heartbeats enough to give up on every one claimed
+            assert runner.stats.claimed < len(ids), runner.stats
+            assert wedged_alive[1] <= 2 * config.concurrency - 1, wedged_alive
+            wedged_may_end.set()  # they end: claims go on, and the rest run (and end at once)
+            for mid in ids:
+                got = await bus.get("acme", mid)
+                if got is not None and got.status is MessageStatus.PENDING:
+                    await wait_status(bus, mid, MessageStatus.DONE, timeout=15)
+
+
 class _Tiers:
     """An inference service as far as the runner's change handling reads it: which tiers are
     up (the pool itself is tested with the real model in tests/inference)."""
