@@ -1556,35 +1556,31 @@ class Runner:
                 self._acks = batch + self._acks
                 self._alone += alone
                 raise
-            except RowBusy:
-                # A row of the batch is held by another session's open transaction (an
-                # operator's SELECT ... FOR UPDATE): retried whole, the batch and every result
-                # queued after it waited for that session. The rest go one by one, and the
-                # held one is tried again after them. The database answered: claims go on.
+            except (RowBusy, InvalidInput) as exc:
+                # The database answered (claims may go on: a lone result left behind has no
+                # later commit to say so), but not for this whole batch: retried whole, it
+                # would fail again, and every result queued after it with it. Its items go one
+                # by one, so that only the one at fault is held back:
+                # - RowBusy: a row another session holds in an open transaction (an
+                #   operator's SELECT ... FOR UPDATE); that result is tried again after the
+                #   others, until the session lets go.
+                # - InvalidInput: a result refused as data, never worth sending again: that
+                #   attempt fails.
                 self._acks_answered()
                 if len(batch) > 1:
                     self._acks = batch + self._acks
                     self._alone = len(batch)
                     continue
                 ((attempt, _),) = batch
-                log.warning(
-                    "message %s: its row is locked by another session; its result waits",
-                    attempt.message.id,
-                )
-                self._acks = self._acks + batch
-                if len(self._acks) == 1:
-                    await asyncio.sleep(0.5)
-                continue
-            except InvalidInput as exc:
-                # Refused as data, not for want of a database: retried whole, it would fail for
-                # ever and every later result with it. The database answered: claims may go on
-                # (a lone refused result leaves nothing else whose commit would say so).
-                self._acks_answered()
-                if len(batch) > 1:
-                    self._acks = batch + self._acks
-                    self._alone = len(batch)
+                if isinstance(exc, RowBusy):
+                    log.warning(
+                        "message %s: its row is locked by another session; its result waits",
+                        attempt.message.id,
+                    )
+                    self._acks = self._acks + batch
+                    if len(self._acks) == 1:
+                        await asyncio.sleep(0.5)
                     continue
-                ((attempt, _),) = batch
                 log.error("message %s: its result was refused: %s", attempt.message.id, exc)
                 await self._fail(attempt, f"its result could not be stored: {exc.problem}")
                 self._finish(attempt)
