@@ -990,21 +990,6 @@ class Runner:
         except BudgetExhausted as exc:
             # The run used up a dimension of its budget: the message ends, naming it.
             await self._terminate(attempt, str(exc))
-        except InvalidInput as exc:
-            if attempt.stop_reason == AttemptStop.OVERRUN:
-                await self._overran(attempt)
-                return
-            # The handler refused its input (a context of the wrong shape, a value it cannot
-            # take, work it spawns past a limit): the same input fails every attempt, so the
-            # message is dead at once, saying why, rather than retried until they run out.
-            text = _describe(exc)
-            log.warning(
-                "handler %s.%s refused its input: %s",
-                message.pipeline,
-                message.stage,
-                text[:_LOG_CHARS],
-            )
-            await self._terminate(attempt, f"handler refused its input: {text}", budget=False)
         except BaseException as exc:
             # Anything a handler raises, KeyboardInterrupt and SystemExit too (raised by a
             # handler, never by a signal: the runner handles those; they would leave the event
@@ -1021,6 +1006,19 @@ class Runner:
                 await self._overran(attempt)
                 return
             text = _describe(exc)
+            if isinstance(exc, InvalidInput):
+                # The handler refused its input (a context of the wrong shape, a value it
+                # cannot take, work it spawns past a limit): the same input fails every
+                # attempt, so the message is dead at once, saying why, rather than retried
+                # until they run out.
+                log.warning(
+                    "handler %s.%s refused its input: %s",
+                    message.pipeline,
+                    message.stage,
+                    text[:_LOG_CHARS],
+                )
+                await self._terminate(attempt, f"handler refused its input: {text}", budget=False)
+                return
             log.warning(
                 "handler %s.%s failed: %s", message.pipeline, message.stage, text[:_LOG_CHARS]
             )

@@ -214,6 +214,23 @@ def _json_text(value: str | None) -> str:
     return COMPACT_JSON.encode(value)
 
 
+def unique_requests(
+    requests: Sequence[EnqueueRequest],
+) -> tuple[list[EnqueueRequest], dict[tuple[str, str], int]]:
+    """Each (tenant, key) once, the first request of it, and where in that list each key is.
+
+    The same key twice in one statement would make ON CONFLICT touch a row twice: each key is
+    sent once, and its repeats are answered as duplicates of the first."""
+    first: dict[tuple[str, str], int] = {}
+    unique: list[EnqueueRequest] = []
+    for req in requests:
+        k = (req.tenant, req.idempotency_key)
+        if k not in first:
+            first[k] = len(unique)
+            unique.append(req)
+    return unique, first
+
+
 # How long an acknowledgement waits for a row another session holds locked: a claim or a
 # reclaim holds one for milliseconds; past this, the holder keeps a transaction open.
 ACK_LOCK_TIMEOUT = "5s"
@@ -273,15 +290,7 @@ class PgMessageStore:
         """
         if not requests:
             return []
-        # The same key twice in one statement would make ON CONFLICT touch a row twice; send
-        # each key once and answer the repeats as duplicates of the first.
-        first: dict[tuple[str, str], int] = {}
-        unique: list[EnqueueRequest] = []
-        for req in requests:
-            k = (req.tenant, req.idempotency_key)
-            if k not in first:
-                first[k] = len(unique)
-                unique.append(req)
+        unique, first = unique_requests(requests)
         statements = [
             enqueue_params(chunk, retention, now, default_max_attempts)
             for chunk in enqueue_chunks(unique)

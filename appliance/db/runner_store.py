@@ -22,6 +22,7 @@ from appliance.db.message_store import (
     run_batches,
     run_fenced,
     stage_array,
+    unique_requests,
 )
 from appliance.db.queries import q
 from appliance.domain.envelope import EnqueueRequest, LeaseRef, storable_text
@@ -330,7 +331,7 @@ class PgRunnerStore(PgMessageStore):
     async def deferrals(self, message_id: int, reason: str) -> int:
         """How many times the message was deferred with a reason starting `reason` (read
         from its transition log, by the log's message index)."""
-        params = {"id": message_id, "prefix": reason.replace("%", r"\%").replace("_", r"\_") + "%"}
+        params = {"id": message_id, "prefix": reason}
         async with self.db.system_conn() as conn:
             row = await (await conn.execute(q("message_deferrals"), params)).fetchone()
         return int(row["n"]) if row else 0
@@ -346,7 +347,7 @@ class PgRunnerStore(PgMessageStore):
         """Enqueue the work an attempt spawned, in one transaction with its row locked under
         its lease; False (nothing enqueued) when the lease is no longer current (the message
         was cancelled, or reclaimed): a completion that will be refused spawns nothing."""
-        unique = list({(r.tenant, r.idempotency_key): r for r in requests}.values())
+        unique, _ = unique_requests(requests)
         if not unique:
             return True
         async with self.db.system_tx() as conn:

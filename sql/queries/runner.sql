@@ -214,10 +214,10 @@ FROM input i
 LEFT JOIN agent_messages m ON m.id = i.id;
 
 -- name: message_deferrals :one
--- How many times a message went to pending deferred with a reason starting `prefix` (a LIKE pattern), from its log.
+-- How many times a message went to pending deferred with a reason starting `prefix` (taken literally), from its log.
 SELECT count(*) AS n
 FROM message_transitions t
-WHERE t.message_id = %(id)s AND t.to_status = 'pending' AND t.reason LIKE %(prefix)s;
+WHERE t.message_id = %(id)s AND t.to_status = 'pending' AND starts_with(t.reason, %(prefix)s);
 
 -- name: message_lease_lock :one
 -- Lock a running attempt's row under its lease until the transaction ends, waiting at most 5 s for another session's lock (none: the lease is not current, or the row stayed locked).
