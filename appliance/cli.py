@@ -736,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="psql on the appliance database; psql's own options follow "
         "(appliance db psql -Atc 'SELECT 1'; a -- before them is allowed)",
     )
-    psql.add_argument("--role", choices=["admin", "app", "system"], default="admin")
+    psql.add_argument("--role", choices=ROLES, default="admin")
     psql.add_argument("psql_args", nargs=argparse.REMAINDER, help="passed to psql")
 
     tenant = sub.add_parser("tenant", help="register and list tenants")
@@ -811,6 +811,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The roles `db psql --role` connects as.
+ROLES = ("admin", "app", "system")
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; `db psql` passes the options it does not know to psql, with or
     without a `--` before them."""
@@ -822,7 +826,39 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         # Options psql takes come first: what follows the first word that is not one (a
         # value, or `--`) is in psql_args already, in order.
         args.psql_args = unknown + list(args.psql_args)
+    if getattr(args, "command", None) == "db" and getattr(args, "db_action", None) == "psql":
+        args.psql_args = _own_role(parser, args)
     return args
+
+
+def _own_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """psql's arguments without a `--role` given among them (before any `--`): psql has no
+    such option, so it is ours wherever it stands; after psql's options, argparse had handed it
+    on to psql, which refused it, or the session ran as another role than asked."""
+    out: list[str] = []
+    words = list(args.psql_args)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            out += words[i:]
+            break
+        if word == "--role" or word.startswith("--role="):
+            value = word.partition("=")[2] if "=" in word else None
+            if value is None:
+                if i + 1 >= len(words):
+                    parser.error("argument --role: expected one argument")
+                value = words[i + 1]
+                i += 1
+            if value not in ROLES:
+                parser.error(
+                    f"argument --role: invalid choice: {value!r} (choose from {', '.join(ROLES)})"
+                )
+            args.role = value
+        else:
+            out.append(word)
+        i += 1
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -67,6 +67,28 @@ def test_db_psql_passes_psql_options_with_or_without_a_double_dash() -> None:
     assert cli.parse(["db", "psql", "--", "-A"]).psql_args == ["--", "-A"]
 
 
+def test_db_psql_role_is_ours_wherever_it_stands_before_a_double_dash() -> None:
+    args = cli.parse(["db", "psql", "-Atc", "SELECT 1", "--role", "app"])
+    assert args.role == "app" and args.psql_args == ["-Atc", "SELECT 1"]
+    args = cli.parse(["db", "psql", "-X", "--role=system", "-c", "SELECT 1"])
+    assert args.role == "system" and args.psql_args == ["-X", "-c", "SELECT 1"]
+    # After `--` everything is psql's, as it was given.
+    args = cli.parse(["db", "psql", "--", "-c", "SELECT 1", "--role", "app"])
+    assert args.role == "admin" and args.psql_args == ["--", "-c", "SELECT 1", "--role", "app"]
+
+
+@pytest.mark.parametrize(
+    "tail", [["--role"], ["--role", "owner"], ["--role=root"]], ids=["missing", "bad", "bad="]
+)
+def test_db_psql_role_after_psql_options_is_checked(
+    tail: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.parse(["db", "psql", "-Atc", "SELECT 1", *tail])
+    assert exc.value.code == 2
+    assert "--role" in capsys.readouterr().err
+
+
 def test_options_no_command_knows_are_refused() -> None:
     with pytest.raises(SystemExit) as exc:
         cli.parse(["status", "-Atc", "SELECT 1"])
