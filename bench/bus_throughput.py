@@ -23,7 +23,9 @@ every message: a unique idempotency key, a lease fenced by its token and a trans
 statement trigger, in a database of its own, measured beside raw in each repeat: how much of the
 gap to raw those requirements explain), and per-statement plans and
 timings of the Bus calls from auto_explain (ANALYZE, BUFFERS, nested statements and triggers
-included, which a top-level EXPLAIN of the named queries cannot show once they call PL/pgSQL).
+included, which a top-level EXPLAIN of the named queries cannot show once they call PL/pgSQL),
+and what the server's backends waited on (pg_stat_activity sampled during one more batched
+claim run of each side: CPU, locks, WAL flush).
 
 CPU is accounted per measurement (this process, the PostgreSQL processes, and the rest of the
 machine), because the box is shared: when other work ran meanwhile, the table says how much.
@@ -50,6 +52,7 @@ import re
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -253,6 +256,7 @@ class BusTarget:
         held: int = 0,
         blocked: int = 0,
         deferred: int = 0,
+        timing: asyncio.Event | None = None,
     ) -> Sample:
         """Claim and complete `n` messages; `held` more are claimed first (untimed) and kept
         running throughout, claimed after the statistics were taken (as when a burst of slow
@@ -312,6 +316,8 @@ class BusTarget:
                     await bus.complete_many([Completion(m.lease) for m in batch])
                 done += len(batch)
 
+        if timing is not None:
+            timing.set()
         with self.meter(n) as m:
             counts = await asyncio.gather(*(worker(f"w{i}") for i in range(workers)))
         assert sum(counts) == n, f"claimed {sum(counts)} of {n}"
@@ -492,7 +498,9 @@ class RawTarget:
         assert m.sample is not None
         return m.sample
 
-    async def claim_complete(self, n: int, workers: int, limit: int) -> Sample:
+    async def claim_complete(
+        self, n: int, workers: int, limit: int, timing: asyncio.Event | None = None
+    ) -> Sample:
         await self.reset()
         await self.sql(
             self.prefill(n),
@@ -510,6 +518,8 @@ class RawTarget:
                 await self.done(conn, claimed)
                 done += len(claimed)
 
+        if timing is not None:
+            timing.set()
         with self.meter(n) as m:
             counts = await asyncio.gather(*(worker(self.conns[i], f"w{i}") for i in range(workers)))
         assert sum(counts) == n, f"claimed {sum(counts)} of {n}"
@@ -804,6 +814,44 @@ async def explain_all(
     return explained
 
 
+# -- what the server's backends wait on ------------------------------------------------------------
+
+WAIT_SAMPLE_S = 0.005
+WAITS_QUERY = (
+    "SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU') FROM pg_stat_activity"
+    " WHERE datname = %(db)s AND state = 'active' AND pid <> pg_backend_pid()"
+)
+
+
+async def sample_waits(
+    admin: str, dbname: str, work: Callable[..., Awaitable[Any]]
+) -> Counter[str]:
+    """What the active backends of `dbname` were doing while `work` ran its timed part (from
+    when it sets the event it is given as `timing=`; its set-up is not sampled):
+    pg_stat_activity read every WAIT_SAMPLE_S from a connection of its own, each active backend
+    counted under its wait event (`CPU` when it waits on nothing). Sampling costs some CPU: a
+    diagnostic, never timed."""
+    counts: Counter[str] = Counter()
+    timing, done = asyncio.Event(), asyncio.Event()
+
+    async def sampler() -> None:
+        async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as conn:
+            await timing.wait()
+            while not done.is_set():
+                rows = await (await conn.execute(WAITS_QUERY, {"db": dbname})).fetchall()
+                counts.update(str(r[0]) for r in rows)
+                await asyncio.sleep(WAIT_SAMPLE_S)
+
+    task = asyncio.create_task(sampler())
+    try:
+        await work(timing=timing)
+    finally:
+        done.set()
+        timing.set()  # a sampler still waiting for a start that never came
+        await task
+    return counts
+
+
 # -- the run --------------------------------------------------------------------------------------
 
 
@@ -831,6 +879,8 @@ class Report:
     explained: list[Explained]
     facts: dict[str, str]
     wall: float
+    # label -> (bus samples by wait event, raw samples by wait event)
+    waits: dict[str, tuple[Counter[str], Counter[str]]] = field(default_factory=dict)
 
 
 Step = Callable[[], Awaitable[Sample]]
@@ -1073,6 +1123,18 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
 
         print("auto_explain (ANALYZE, BUFFERS, nested) of the Bus calls ...", flush=True)
         explained = await explain_all(diag_admins[EXPLAIN_DB], server_pid, nc, ns)
+
+        print("wait events of the server's backends during claim(10) + complete ...", flush=True)
+        waits: dict[str, tuple[Counter[str], Counter[str]]] = {}
+        for workers in (1, 4):
+            waits[f"claim(10) + complete_many, {workers} worker{'s' if workers > 1 else ''}"] = (
+                await sample_waits(
+                    admin, BUS_DB, functools.partial(bus.claim_complete, nc, workers, 10)
+                ),
+                await sample_waits(
+                    admin, RAW_DB, functools.partial(raw.claim_complete, nc, workers, 10)
+                ),
+            )
     finally:
         await raw.close()
         await floor.close()
@@ -1082,7 +1144,9 @@ async def run_all(admin: str, server_pid: int | None, sizes: Sizes) -> Report:
     facts = {**machine_facts(), **server_facts(admin, SETTINGS_SHOWN)}
     facts["loadavg_start"] = load_start
     facts["code"] = code
-    return Report(sizes, rows, build, diagnostics, explained, facts, time.perf_counter() - t0)
+    return Report(
+        sizes, rows, build, diagnostics, explained, facts, time.perf_counter() - t0, waits
+    )
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -1340,6 +1404,31 @@ def _reading(report: Report) -> list[str]:
             f"- enqueue_many of {BATCH:,}: {enq.total_ms() or 0:.1f} ms in the top statement;"
             f" inside it: {inside}."
         )
+    for label, (bus_counts, raw_counts) in report.waits.items():
+
+        def share(counts: Counter[str], pick: Callable[[str], bool]) -> float:
+            return 100 * sum(n for e, n in counts.items() if pick(e)) / (sum(counts.values()) or 1)
+
+        def locks(e: str) -> bool:
+            return e.startswith("Lock:")
+
+        def flush(e: str) -> bool:
+            return e in ("IO:WALSync", "LWLock:WALWrite", "IO:WALWrite")
+
+        bus_locks = share(bus_counts, locks)
+        line = (
+            f"- {label}: the bus's active backends waited on row or transaction locks in"
+            f" {bus_locks:.0f} % of the samples (raw {share(raw_counts, locks):.0f} %) and on"
+            f" the WAL flush in {share(bus_counts, flush):.0f} % (raw"
+            f" {share(raw_counts, flush):.0f} %)."
+        )
+        if bus_locks >= LOCK_SHARE_NOTED:
+            line += (
+                " Completions count their tenant's ended leases up in one counter row"
+                " (`tenant_released`) and hold it until their commit is flushed, and claims"
+                " lock their tenant's `tenant_runtime` row: one tenant's statements queue there."
+            )
+        out.append(line)
     return out
 
 
@@ -1365,6 +1454,45 @@ def _load_warning(report: Report) -> list[str]:
         " the CPU-per-message columns are the more robust figures.",
         "",
     ]
+
+
+WAIT_ROWS = 8
+# A share of lock waits worth explaining in the reading.
+LOCK_SHARE_NOTED = 10.0
+
+
+def _waits_section(report: Report) -> list[str]:
+    """The share of the active backends' samples spent in each wait event, bus beside raw."""
+    if not report.waits:
+        return []
+    out = [
+        f"What the server's active backends were doing (pg_stat_activity every"
+        f" {WAIT_SAMPLE_S * 1000:.0f} ms during one more run of each, product sizes; `CPU` = not"
+        " waiting; a share of all samples of active backends):",
+        "",
+    ]
+    for label, (bus_counts, raw_counts) in report.waits.items():
+        bus_total, raw_total = sum(bus_counts.values()) or 1, sum(raw_counts.values()) or 1
+        # The largest share on either side first: raw's own waits are shown too.
+        events = sorted(
+            set(bus_counts) | set(raw_counts),
+            key=lambda e: (-max(bus_counts[e] / bus_total, raw_counts[e] / raw_total), e),
+        )
+        rows = [
+            [
+                e,
+                f"{100 * bus_counts[e] / bus_total:.0f} %",
+                f"{100 * raw_counts[e] / raw_total:.0f} %",
+            ]
+            for e in events[:WAIT_ROWS]
+        ]
+        out += [
+            markdown_table([f"{label}: wait event", "bus", "raw"], rows),
+            "",
+            f"({sum(bus_counts.values()):,} bus samples, {sum(raw_counts.values()):,} raw.)",
+            "",
+        ]
+    return out
 
 
 def render(report: Report) -> str:
@@ -1424,6 +1552,7 @@ def render(report: Report) -> str:
             "",
             _explain_table(report),
             "",
+            *_waits_section(report),
             "### Where the time goes (computed from the figures above)",
             "",
             *_reading(report),
