@@ -895,7 +895,7 @@ class Runner:
                 await self._overran(attempt)
                 return
             if not isinstance(result, StageResult):
-                await self._fail(
+                await self._broke_contract(
                     attempt,
                     f"handler {message.pipeline}.{message.stage} returned "
                     f"{type(result).__name__}, not a StageResult (use ctx.finish(...))",
@@ -904,7 +904,7 @@ class Runner:
             if not isinstance(result.outcome, str) or not NAME_RE.match(result.outcome):
                 # Built without ctx.finish: an outcome the database cannot store would fail
                 # every acknowledgement sent with it.
-                await self._fail(
+                await self._broke_contract(
                     attempt,
                     f"handler {message.pipeline}.{message.stage} returned the outcome "
                     f"{result.outcome!r}, which is not a valid name",
@@ -915,7 +915,7 @@ class Runner:
             except InvalidInput as exc:
                 # Failed here, visibly: queued as an acknowledgement it would be refused on
                 # every retry while its lease was kept alive.
-                await self._fail(
+                await self._broke_contract(
                     attempt,
                     f"handler {message.pipeline}.{message.stage} returned a result that "
                     f"{exc.problem}",
@@ -926,7 +926,7 @@ class Runner:
                 # A result becomes the next stage's context: held to the context's limit, here
                 # and visibly, rather than handed off past it or refused by the database with
                 # the rest of its acknowledgement batch.
-                await self._fail(
+                await self._broke_contract(
                     attempt,
                     f"handler {message.pipeline}.{message.stage} returned a result of {size} "
                     f"bytes, over the limit of {self.config.context_max_bytes} bytes (a "
@@ -1439,6 +1439,21 @@ class Runner:
                 )
             return
         await self._fail(attempt, "exceeded the stage's maximum runtime")
+
+    async def _broke_contract(self, attempt: _Attempt, error: str) -> None:
+        """The handler returned what no acknowledgement can carry (not a StageResult, an
+        outcome that is not a name, a result that is not JSON or is over the context limit).
+        The same code returns the same on every attempt: the message is dead at once, saying
+        why, and can be redriven once the handler is fixed. Retried, each attempt ran its
+        handler again (its model calls, its electricity) to fail alike."""
+        message = attempt.message
+        log.warning(
+            "handler %s.%s broke its contract: %s",
+            message.pipeline,
+            message.stage,
+            error[:_LOG_CHARS],
+        )
+        await self._terminate(attempt, error, budget=False)
 
     async def _fail(self, attempt: _Attempt, error: str) -> None:
         attempt.settling = True

@@ -118,11 +118,11 @@ async def refuses(ctx: StageContext) -> StageResult:
 
 PIPES = [
     Pipeline("refuses", (Stage("run", refuses, max_attempts=5),)),
-    Pipeline("oversized", (Stage("run", oversized, max_attempts=1),)),
+    Pipeline("oversized", (Stage("run", oversized, max_attempts=3),)),
     Pipeline("spawns_too_much", (Stage("run", spawns_too_much),)),
     Pipeline("patient", (Stage("run", patient),)),
-    Pipeline("wrong", (Stage("run", wrong, max_attempts=1),)),
-    Pipeline("unstorable", (Stage("run", unstorable, max_attempts=1),)),
+    Pipeline("wrong", (Stage("run", wrong, max_attempts=3),)),
+    Pipeline("unstorable", (Stage("run", unstorable, max_attempts=3),)),
     Pipeline("quick", (Stage("run", quick),)),
     Pipeline("interrupts", (Stage("run", interrupts, max_attempts=1),)),
     Pipeline("exits", (Stage("run", exits, max_attempts=1),)),
@@ -246,6 +246,8 @@ async def test_handler_returning_the_wrong_type_fails_clearly(running) -> None:
     await wait_status(bus, r.id, MessageStatus.DEAD)
     got = await bus.get("acme", r.id)
     assert got is not None and "returned str, not a StageResult" in (got.error or "")
+    # Dead at once: the same code returns the same on every attempt (its stage allows 3).
+    assert got.attempts == 1
 
 
 async def test_a_result_that_is_not_json_fails_the_attempt_clearly(running) -> None:
@@ -258,6 +260,7 @@ async def test_a_result_that_is_not_json_fails_the_attempt_clearly(running) -> N
     assert got is not None and "returned a result that is not JSON-serialisable" in (
         got.error or ""
     )
+    assert got.attempts == 1  # not retried (its stage allows 3)
     assert runner.stats.failed == 1
 
 
@@ -670,7 +673,7 @@ async def bad_outcome(ctx: StageContext) -> StageResult:
 
 
 POISON = [
-    Pipeline("badout", (Stage("run", bad_outcome, max_attempts=1),)),
+    Pipeline("badout", (Stage("run", bad_outcome, max_attempts=3),)),
     Pipeline("poison", (Stage("run", quick, max_attempts=1),)),
     Pipeline("quick", (Stage("run", quick),)),
 ]
@@ -709,6 +712,7 @@ async def test_a_result_that_cannot_be_stored_fails_alone_and_blocks_no_other(
         assert got is not None and "outcome 'label\\x00', which is not a valid name" in str(
             got.error
         )
+        assert got.attempts == 1  # not retried (its stage allows 3)
         got = await bus.get("acme", poison.id)
         assert got is not None and "could not be stored: rejected by the database" in str(got.error)
 
@@ -1250,7 +1254,7 @@ async def test_a_result_over_the_context_limit_fails_its_attempt(fresh_db: Endpo
         assert told is not None and told.attempts == 1 and told.result is not None
         assert "context: is 3011 bytes, over the limit of 2048 bytes" in told.result["refused"]
         got = await bus.get("acme", big.id)
-        assert got is not None and got.result is None
+        assert got is not None and got.result is None and got.attempts == 1  # of 3 allowed
         assert "returned a result of 3011 bytes, over the limit of 2048 bytes" in str(got.error)
 
 
