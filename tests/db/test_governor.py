@@ -19,6 +19,8 @@ from appliance.domain.budget import BudgetBusy, BudgetExhausted, BudgetHeld, Run
 from appliance.domain.cost import Pricing, Tariff
 from appliance.domain.envelope import Message
 from appliance.domain.inference import InferenceRequest, ModelInfo, Tier, route
+from appliance.metering.meter import Meter
+from tests.energy_fakes import HandCpu, ListCounter
 
 PRICING = Pricing(
     tariff=Tariff(price_per_kwh=Decimal("3.6")),  # 1e-6 EUR per joule: easy figures
@@ -27,6 +29,13 @@ PRICING = Pricing(
 )
 MODEL = ModelInfo("small", "0" * 64, 2048)
 REQUEST = InferenceRequest("classify", prompt="x" * 8, max_tokens=10)  # 20 tokens at most
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 async def claimed(db: Database, source_id: str) -> Message:
@@ -87,6 +96,37 @@ async def test_what_a_call_is_charged(
         ).fetchone()
     assert row is not None and (row["status"], row["amount"]) == (status, charged)
     assert month is not None and (month["spent"], month["reserved"]) == (charged, 0)
+
+
+async def test_a_call_across_an_interval_its_counter_lost_is_settled_as_estimated(
+    governor: Governor, db: Database
+) -> None:
+    # The meter's figure for a call whose counter went back part way (a driver reload): 3 J
+    # measured over 3 s, the lost second made up at that rate. It was settled at 3 J, as
+    # measured, in the ledger.
+    clock = Clock()
+    meter = Meter(ListCounter([1000.0, 1001.0, 0.0, 1.0, 2.0], device="package-0"),
+                  HandCpu(), {}, clock=clock, call_device="package-0")  # fmt: skip
+    meter.begin("call", 1)
+    for t in (1.0, 2.0, 3.0):
+        clock.now = t
+        meter.tick()
+    clock.now = 4.0
+    energy = meter.end("call")
+    message = await claimed(db, "lost")
+    admission = await admit(governor, message)
+    amount = await governor.settle(
+        message, admission, energy_joules=energy.joules, provenance=energy.provenance,
+        completion_tokens=5, prompt_tokens=5, failed=False,
+    )  # fmt: skip
+    assert amount == Decimal("0.000004")
+    async with db.system_conn() as conn:
+        row = await (
+            await conn.execute("SELECT amount, energy_joules, provenance FROM spend_ledger")
+        ).fetchone()
+    assert row is not None
+    assert (row["amount"], row["provenance"]) == (Decimal("0.000004"), "estimated")
+    assert row["energy_joules"] == pytest.approx(4.0)
 
 
 async def test_refusals_hold_or_defer(governor: Governor, db: Database) -> None:
