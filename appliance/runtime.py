@@ -238,11 +238,7 @@ def build_meter(settings: Settings) -> Meter:
     if m.source == "estimate":
         source = estimate
     elif m.source == "auto":
-        inference = settings.inference
-        on_gpu = gpu_offload_supported() and any(
-            inference.tier(tier).n_gpu_layers != 0
-            for tier in model_lock(settings).profile(inference.profile)
-        )
+        on_gpu = "gpu" in tier_devices(settings).values()
         source, skipped = choose_source(estimate, gpu_in_use=on_gpu)
         for name, why in skipped:
             log.info("energy source %s not used: %s", name, why)
@@ -258,10 +254,43 @@ def build_meter(settings: Settings) -> Meter:
             m.idle_watts,
             m.watts_per_busy_core,
         )
-        return Meter(source, ThreadCpu(), {"cpu": m.idle_watts}, call_device="cpu")
+        return Meter(
+            source,
+            ThreadCpu(),
+            {"cpu": m.idle_watts},
+            call_device="cpu",
+            watts_per_busy_core=m.watts_per_busy_core,
+        )
     devices = list(source.read(time.monotonic()).joules)
     calls_on = [d for d in devices if d.startswith(("gpu", "package"))] or devices
-    return Meter(source, ThreadCpu(), {}, call_device=calls_on)
+    meter = Meter(
+        source, ThreadCpu(), {}, call_device=calls_on, watts_per_busy_core=m.watts_per_busy_core
+    )
+    for tier, device in tier_devices(settings).items():
+        if not meter.counts(device):
+            # Mixed tiers (one on the CPU, one on the GPU) with a counter of one kind only.
+            log.warning(
+                "tier %s runs on the %s, which energy source %s does not count: its calls are "
+                "ESTIMATED (%.1f W per busy core of its CPU time%s) and labelled so",
+                tier.value,
+                device.upper(),
+                source.name,
+                m.watts_per_busy_core,
+                "; the GPU's own energy is not in it" if device == "gpu" else "",
+            )
+    return meter
+
+
+def tier_devices(settings: Settings) -> dict[Tier, str]:
+    """The device ("cpu" or "gpu") each tier of the profile computes on, as the pool loads it:
+    on the GPU when it offloads layers and this llama.cpp build has a GPU backend."""
+    inference = settings.inference
+    gpu = gpu_offload_supported()
+    return {
+        tier: "gpu" if gpu and inference.tier(tier).n_gpu_layers != 0 else "cpu"
+        for tier in model_lock(settings).profile(inference.profile)
+        if inference.tier(tier).workers != 0
+    }
 
 
 def build_pool(settings: Settings, meter: Meter | None = None) -> InferencePool | None:

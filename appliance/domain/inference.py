@@ -280,7 +280,10 @@ class EnergyFigure(Protocol):
 class CallMeter(Protocol):
     """What the pool needs of a meter: mark a call's start on its thread, and its end."""
 
-    def begin(self, call_id: str, native_id: int, threads: int = 1) -> None: ...
+    def begin(self, call_id: str, native_id: int, threads: int = 1, *, device: str = "cpu") -> None:
+        """Count a call as running on thread `native_id`, computing on `device` ("cpu", or
+        "gpu" for a model offloaded to the GPU)."""
+        ...
 
     def end(self, call_id: str) -> EnergyFigure: ...
 

@@ -328,7 +328,12 @@ class _Worker(threading.Thread):
         self.calls += 1
         call_id = f"{self.name}:{self.calls}"
         try:
-            meter.begin(call_id, threading.get_native_id(), self.n_threads)
+            # Which device the call computes on says which counter may charge it: a CPU
+            # call on a meter that reads only the GPU's counter (or a GPU call on one that
+            # reads only the CPU's) is estimated, and labelled so, never given another
+            # device's measured energy.
+            device = "gpu" if self.n_gpu_layers else "cpu"
+            meter.begin(call_id, threading.get_native_id(), self.n_threads, device=device)
         except Exception:
             log.exception("%s: the meter failed; this call is charged its reservation", self.name)
             return _unmetered(self._serve_one(job))

@@ -319,9 +319,11 @@ class ClockMeter:
     def __init__(self, watts: float, *, used_fails: bool = False) -> None:
         self.watts, self.used_fails = watts, used_fails
         self.began: dict[str, float] = {}
+        self.devices: list[str] = []
 
-    def begin(self, call_id: str, native_id: int, threads: int = 1) -> None:
+    def begin(self, call_id: str, native_id: int, threads: int = 1, *, device: str = "cpu") -> None:
         self.began[call_id] = time.monotonic()
+        self.devices.append(device)
 
     def used(self, call_id: str) -> float:
         if self.used_fails:
@@ -330,6 +332,25 @@ class ClockMeter:
 
     def end(self, call_id: str) -> _Figure:
         return _Figure(self.watts * (time.monotonic() - self.began.pop(call_id)))
+
+
+@pytest.mark.parametrize(("offload", "layers", "device"), [(False, -1, "cpu"), (True, 0, "cpu"),
+                                                           (True, -1, "gpu")])  # fmt: skip
+async def test_the_pool_tells_the_meter_which_device_a_call_computes_on(
+    monkeypatch: pytest.MonkeyPatch, offload: bool, layers: int, device: str
+) -> None:
+    # Which counter may charge a call depends on it: a CPU tier's call given a share of the
+    # GPU counter's energy was labelled measured. (This build has no GPU backend: with one
+    # claimed, llama.cpp ignores the layers it cannot offload, and the call runs all the same.)
+    monkeypatch.setattr(pool_module, "gpu_offload_supported", lambda: offload)
+    meter = ClockMeter(1.0)
+    pool = InferencePool([spec(Tier.MECHANICAL, n_gpu_layers=layers)], cores=2, meter=meter)
+    await pool.start()
+    try:
+        await pool.infer(ramble(2), Tier.MECHANICAL)
+    finally:
+        await pool.close()
+    assert meter.devices == [device]
 
 
 async def test_a_generation_that_ended_is_never_cut_after_the_fact(

@@ -81,3 +81,27 @@ def test_gpu_layers_asked_of_a_build_without_a_gpu_backend_run_on_the_cpu(
     # llama.cpp built for the CPU only ignores n_gpu_layers: the models run on the CPU.
     monkeypatch.setattr(runtime, "gpu_offload_supported", lambda: False)
     assert runtime.build_meter(settings(-1, -1)).source.name == "estimate"
+
+
+@pytest.mark.usefixtures("counters")
+def test_mixed_tiers_on_the_gpu_counter_estimate_the_cpu_tiers_calls(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The mechanical tier on the CPU, the reasoning tier on the GPU: NVML counts only the
+    # latter. The CPU tier's calls took a share of the GPU's energy, labelled measured.
+    caplog.set_level(logging.WARNING, logger="appliance.runtime")
+    meter = runtime.build_meter(settings(0, -1))
+    assert meter.source.name == "nvml"
+    assert meter.counts("gpu") and not meter.counts("cpu")
+    assert "tier mechanical runs on the CPU, which energy source nvml does not count" in (
+        caplog.text
+    )
+    assert "tier reasoning" not in caplog.text
+
+
+@pytest.mark.usefixtures("counters")
+def test_a_tier_with_no_workers_does_not_put_the_meter_on_the_gpu() -> None:
+    # The GPU tier configured off: no call runs on the GPU, so its counter is not the meter's.
+    s = settings(0, -1)
+    s.inference.tiers[Tier.REASONING] = TierSettings(n_gpu_layers=-1, workers=0)
+    assert runtime.build_meter(s).source.name == "estimate"
