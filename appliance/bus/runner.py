@@ -290,9 +290,10 @@ class Runner:
         # while an earlier attempt of it still runs (its lease lapsed unseen and was reclaimed);
         # each attempt must keep its own heartbeats, slot and end.
         self._attempts: dict[int, _Attempt] = {}
-        # Tasks of handlers that ignored cancellation: their slots were given back, but the
-        # process cannot wait for them when it exits (abandoned_tasks()).
-        self._abandoned_tasks: set[asyncio.Task[None]] = set()
+        # Tasks of handlers that ignored cancellation, with the lane of the slot each holds
+        # until it ends (LaneSlots.abandon); the process cannot wait for them when it exits
+        # (abandoned_tasks()).
+        self._abandoned_tasks: dict[asyncio.Task[None], Lane | None] = {}
         self._ahead = ClaimAhead(self.config.claim_ahead, self.config.claim_ahead_window)
         self._give_back_timer: asyncio.TimerHandle | None = None
         self._giving_back: set[asyncio.Task[None]] = set()
@@ -522,10 +523,9 @@ class Runner:
             # lapsing meanwhile) are then lost to a re-run elsewhere. A commit wakes us.
             return 0
         if self._wedged():
-            # As many handlers as slots ignore cancellation and run on: their slots were
-            # given back (so that one could not take the runner's capacity), but each new
-            # claim of a stage whose handlers wedge added one more task for ever. No claims
-            # until one of them ends (which wakes us); the work waits for other runners.
+            # As many handlers as slots ignore cancellation and run on, each holding its slot
+            # (no lane has one free): no claims until one of them ends (which wakes us); the
+            # work waits for other runners.
             return 0
         now_mono = time.monotonic()
         if now_mono - self._last_reclaim >= self.config.reclaim_every.total_seconds():
@@ -1477,11 +1477,18 @@ class Runner:
             # The lease will lapse and the reclaimer will retry the message.
             log.exception("could not record the failure of message %s", attempt.message.id)
 
-    def _free_slot(self, attempt: _Attempt) -> None:
+    def _free_slot(self, attempt: _Attempt, *, abandoned: bool = False) -> None:
+        """The attempt no longer runs in its slot: given back, or, when its handler was given
+        up on (`abandoned`), held by its task as an abandoned one until that ends."""
         if not attempt.slot_free:
             attempt.slot_free = True
             lane = attempt.message.lane
-            self.slots.give(lane)
+            if abandoned:
+                # Moved to the shared slots where they have room: what its lane's reserve
+                # gains, the shared slots lose (no lane may start more than before).
+                self.slots.abandon(lane)
+            else:
+                self.slots.give(lane)
             self._ahead.observe_busy(lane, time.monotonic() - attempt.started)
             self._start_held_in_order()
             # Claim into the slot for any lane that may hold work and can use it (the shared
@@ -1710,11 +1717,16 @@ class Runner:
         if task is None or task.done() or attempt.lease.lease_token not in self._attempts:
             return
         # Whatever stopped it (cancelled, lease lost, overrun): the handler ignores
-        # cancellation and keeps its task, but its slot is given back, so a wedged handler
-        # cannot take the runner's capacity with it. The database already has its outcome
-        # (cancelled) or will (the reclaimer).
+        # cancellation and keeps its task. The attempt ends here (the database already has
+        # its outcome, cancelled, or will: the reclaimer), but the task still uses what the
+        # concurrency promises (CPU, the model pool, memory): it holds a slot until it ends,
+        # so that running and abandoned handlers together never outnumber the slots. It used
+        # to give its slot back: with 8 slots, 7 abandoned ran beside 8 new ones.
         self.stats.abandoned += 1
-        self._abandoned_tasks.add(task)
+        # (None: its slot was free already, its handler having returned; never seen, since
+        # its task then ends in the same step.)
+        self._abandoned_tasks[task] = None if attempt.slot_free else attempt.message.lane
+        self._free_slot(attempt, abandoned=True)
         task.add_done_callback(self._abandoned_ended)  # kept only while it runs
         if self._wedged():
             log.error(
@@ -1727,16 +1739,23 @@ class Runner:
         self._finish(attempt)
 
     def _wedged(self) -> bool:
-        """As many abandoned handlers run on as the runner has slots: it claims no more."""
-        return len(self._abandoned_tasks) >= self.config.concurrency
+        """Abandoned handlers hold every slot: the runner claims no more."""
+        return self.slots.abandoned_total >= self.config.concurrency
 
     def _abandoned_ended(self, task: asyncio.Task[None]) -> None:
         was_wedged = self._wedged()
-        self._abandoned_tasks.discard(task)
-        if was_wedged and not self._wedged():
+        if task not in self._abandoned_tasks:
+            return
+        lane = self._abandoned_tasks.pop(task)
+        if lane is not None:
+            self.slots.abandoned_ended(lane)  # its slot is free now
+        if was_wedged:
             log.info("an abandoned handler ended; claiming again")
-            self._hint(*Lane)
-            self._wake.set()
+        # Its slot may serve any lane (the shared slots serve them all): held work first,
+        # then a claim of every lane, as when a runner's claims had stopped for it.
+        self._start_held_in_order()
+        self._hint(*Lane)
+        self._wake.set()
 
     def abandoned_tasks(self) -> list[asyncio.Task[None]]:
         """Handler tasks that ignored cancellation and are still running."""
@@ -1831,6 +1850,8 @@ class Runner:
             "failed": self.stats.failed,
             "stats": {
                 "running": {lane.value: n for lane, n in self.slots.running.items()},
+                # Handlers given up on that run on: each holds one of the `concurrency` slots.
+                "abandoned_running": {lane.value: n for lane, n in self.slots.abandoned.items()},
                 "concurrency": self.config.concurrency,
                 "claimed_ahead": len(self._ahead),
                 "given_back_ahead": self.stats.given_back_ahead,

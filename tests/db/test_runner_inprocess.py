@@ -8,7 +8,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -305,7 +305,7 @@ async def test_a_handler_that_refuses_its_input_ends_the_message_at_once(running
     assert runner.stats.failed == 1 and runner.stats.budget_exhausted == 0
 
 
-async def test_a_handler_that_ignores_cancellation_gives_its_slot_back(running) -> None:
+async def test_a_handler_that_ignores_cancellation_is_given_up_on(running) -> None:
     bus, _, runner = running
     stubborn_may_end.clear()
     try:
@@ -313,13 +313,15 @@ async def test_a_handler_that_ignores_cancellation_gives_its_slot_back(running) 
         await wait_status(bus, r.id, MessageStatus.RUNNING)
         assert await bus.cancel("acme", r.id, reason="operator")
         # The heartbeat (every 0.5 s) carries the cancellation; after the 1 s grace the task
-        # is cancelled (ignored) and the slot given back.
+        # is cancelled (ignored) and given up on: no longer running, its task holds its slot
+        # as an abandoned one until it ends.
         for _ in range(200):
             if runner.stats.abandoned:
                 break
             await asyncio.sleep(0.05)
         assert runner.stats.abandoned == 1
         assert runner.slots.running[Lane.INTERACTIVE] == 0
+        assert runner.slots.abandoned[Lane.INTERACTIVE] == 1
         assert [t.get_name() for t in runner.abandoned_tasks()] != []
     finally:
         stubborn_may_end.set()
@@ -1699,8 +1701,8 @@ async def test_handlers_that_ignore_cancellation_pile_up_no_further_than_the_slo
 ) -> None:
     # Each abandoned handler gave its slot back and ran on: a stage whose handlers all wedge
     # added one more running task for every message claimed (all 12 at once with 4 slots).
-    # Now the runner claims nothing while as many run on abandoned as it has slots (those
-    # running then are given up on too), and claims again once one ends.
+    # Now an abandoned handler holds its slot until it ends: the runner claims nothing while
+    # as many run on abandoned as it has slots, and claims again once one ends.
     config = RunnerConfig(
         worker_id="wedged", concurrency=4, lease=timedelta(seconds=3),
         poll_interval=timedelta(seconds=1), cancel_grace=timedelta(seconds=0.2),
@@ -1719,12 +1721,110 @@ async def test_handlers_that_ignore_cancellation_pile_up_no_further_than_the_slo
                 await asyncio.sleep(0.1)
             await asyncio.sleep(4)  # heartbeats enough to give up on every one claimed
             assert runner.stats.claimed < len(ids), runner.stats
-            assert wedged_alive[1] <= 2 * config.concurrency - 1, wedged_alive
+            assert wedged_alive[1] <= config.concurrency, wedged_alive
             wedged_may_end.set()  # they end: claims go on, and the rest run (and end at once)
             for mid in ids:
                 got = await bus.get("acme", mid)
                 if got is not None and got.status is MessageStatus.PENDING:
                     await wait_status(bus, mid, MessageStatus.DONE, timeout=15)
+
+
+# Gates by source id: each handler of `holds` runs until its own gate opens, ignoring every
+# cancellation meanwhile; a count of the handlers alive, and the most alive at once.
+hold_gates: dict[str, asyncio.Event] = {}
+holds_alive: list[int] = [0, 0]  # now, most at once
+holds_entered: list[str] = []
+
+
+async def holds(ctx: StageContext) -> StageResult:
+    holds_alive[0] += 1
+    holds_alive[1] = max(holds_alive[1], holds_alive[0])
+    holds_entered.append(ctx.message.source_id)
+    try:
+        gate = hold_gates[ctx.message.source_id]
+        while not gate.is_set():
+            try:
+                await gate.wait()
+            except asyncio.CancelledError:
+                continue  # ignores every cancellation
+        return ctx.finish()
+    finally:
+        holds_alive[0] -= 1
+
+
+HOLDS = [Pipeline("holds", (Stage("run", holds),))]
+
+
+async def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never {what}")
+        await asyncio.sleep(0.02)
+
+
+async def test_handlers_given_up_on_hold_their_slots_until_they_end(
+    fresh_db: Endpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A handler given up on used to give its slot back and run on: with 3 slots, 3 abandoned
+    # handlers and 3 newly claimed ones ran at once (up to twice the concurrency, less one).
+    # The concurrency is a promise about resources: an abandoned handler's task holds a slot
+    # until it ends, and the queued work is claimed one by one as they end.
+    monkeypatch.setattr("appliance.bus.runner.ABANDON_AFTER_S", 0.05)
+    config = RunnerConfig(
+        worker_id="holds", concurrency=3, reserved_interactive=1, reserved_system=0,
+        lease=timedelta(seconds=1.5), poll_interval=timedelta(seconds=1),
+        cancel_grace=timedelta(seconds=0.1),
+    )  # fmt: skip
+    holds_alive[:] = [0, 0]
+    holds_entered.clear()
+    hold_gates.clear()
+    wedged = [f"w{i}" for i in range(3)]
+    queued = [f"q{i}" for i in range(3)]
+    hold_gates.update({sid: asyncio.Event() for sid in wedged + queued})
+    async with opened(fresh_db, HOLDS) as store:
+        bus = Bus(store)
+        async with serving(store, HOLDS, config, PgDoorbell(fresh_db.system)) as runner:
+            try:
+                ws = [(await bus.enqueue(**request(bus, "holds", s))).id for s in wedged]
+                await wait_for(lambda: holds_alive[0] == 3, "all three slots busy")
+                qs = [(await bus.enqueue(**request(bus, "holds", s))).id for s in queued]
+                for mid in ws:
+                    assert await bus.cancel("acme", mid, reason="operator")
+                await wait_for(lambda: len(runner.abandoned_tasks()) == 3, "all given up on")
+                assert runner.stats.abandoned == 3
+                # Held by the abandoned: nothing free in any lane, and the status says so.
+                assert runner.slots.abandoned[Lane.INTERACTIVE] == 3
+                assert all(runner.slots.free(lane) == 0 for lane in Lane)
+                assert runner._info()["stats"]["abandoned_running"] == {
+                    "interactive": 3, "batch": 0, "system": 0,
+                }  # fmt: skip
+                # Each abandoned handler that ends gives back one slot: one more queued
+                # message runs, never more.
+                for n, sid in enumerate(wedged, start=1):
+                    hold_gates[sid].set()
+
+                    def ran(want: int = 3 + n) -> bool:
+                        return len(holds_entered) >= want
+
+                    await wait_for(ran, f"{n} queued ran")
+                    assert holds_alive[1] <= config.concurrency, holds_alive
+                    assert len(holds_entered) == 3 + n, holds_entered
+                    assert len(runner.abandoned_tasks()) == 3 - n
+                assert runner._info()["stats"]["abandoned_running"]["interactive"] == 0
+                for sid in queued:
+                    hold_gates[sid].set()
+                for mid in qs:
+                    await wait_status(bus, mid, MessageStatus.DONE)
+                for mid in ws:
+                    got = await bus.get("acme", mid)
+                    assert got is not None and got.status is MessageStatus.CANCELLED
+                assert sorted(holds_entered) == sorted(wedged + queued)  # each ran once
+                assert holds_alive == [0, config.concurrency], holds_alive
+                assert runner.stats.abandoned == 3 and runner.abandoned_tasks() == []
+            finally:
+                for gate in hold_gates.values():
+                    gate.set()
 
 
 class _Tiers:
