@@ -436,6 +436,15 @@ def status_text(st: BusStatus) -> str:
         f"runners: {len(alive)} alive; listener {'connected' if listening else 'NOT connected'};"
         f" last poll that found missed work: {_age(min(missed)) + ' ago' if missed else 'never'}"
     )
+    for runner in alive:
+        # Handlers given up on hold their slots until they end: a runner that claims less
+        # than its concurrency says why here.
+        held = sum((runner.stats.get("abandoned_running") or {}).values())
+        if held:
+            lines.append(
+                f"runner {runner.id}: {held} of {runner.stats.get('concurrency', '?')} slots held"
+                " by handlers that ignore cancellation (given up on, still running)"
+            )
     late = {k: n for k, n in st.overdue.items() if n}
     if late:
         words = {

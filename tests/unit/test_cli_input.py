@@ -114,6 +114,25 @@ def test_the_status_json_names_each_runners_process_and_no_dead_listener() -> No
     assert shown["gone"]["listener_connected"] is False
 
 
+def test_the_status_text_names_slots_held_by_handlers_given_up_on() -> None:
+    from datetime import UTC, datetime
+
+    from appliance.domain.envelope import Lane, MessageStatus
+    from appliance.domain.ports import BusStatus, LaneCounts, RunnerInfo
+
+    def runner(rid: str, held: int) -> RunnerInfo:
+        stats = {"concurrency": 8, "abandoned_running": {"interactive": held, "batch": 1}}
+        return RunnerInfo(rid, "box", 41, 1.0, True, True, None, 0, 0, 0, 0, stats)
+
+    lanes = {lane: LaneCounts({s: 0 for s in MessageStatus}, None, None) for lane in Lane}
+    st = BusStatus(datetime(2026, 12, 1, tzinfo=UTC), lanes, 1, [runner("wedged", 2)])
+    text = cli.status_text(st)
+    assert "runner wedged: 3 of 8 slots held by handlers that ignore cancellation" in text
+    quiet = RunnerInfo("quiet", "box", 42, 1.0, True, True, None, 0, 0, 0, 0, {})
+    st = BusStatus(datetime(2026, 12, 1, tzinfo=UTC), lanes, 1, [quiet])
+    assert "ignore cancellation" not in cli.status_text(st)
+
+
 @pytest.mark.parametrize(
     "argv",
     [
