@@ -1480,6 +1480,11 @@ BEGIN
         RAISE EXCEPTION 'the time given (%) is not a finite time', p_now
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF p_now < timestamptz '0001-01-01 00:00:00+00'
+       OR p_now >= timestamptz '9900-01-01 00:00:00+00' THEN
+        RAISE EXCEPTION 'the time given (%) is out of range (years 1-9899, UTC)', p_now
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     RETURN coalesce(p_now, now());
 END
 $$;
@@ -1614,11 +1619,13 @@ CREATE TABLE appliance.agent_messages (
     tier text,
     deferred boolean DEFAULT false NOT NULL,
     CONSTRAINT agent_messages_attempts_check CHECK ((attempts >= 0)),
+    CONSTRAINT agent_messages_deadline_readable CHECK (((deadline >= '0001-01-01 00:00:00+00'::timestamp with time zone) AND (deadline < '10000-01-01 00:00:00+00'::timestamp with time zone))),
     CONSTRAINT agent_messages_deferred_only_pending CHECK (((NOT deferred) OR (status = 'pending'::appliance.message_status))),
     CONSTRAINT agent_messages_directive_check CHECK ((btrim(directive) <> ''::text)),
     CONSTRAINT agent_messages_hops_check CHECK ((hops >= 0)),
     CONSTRAINT agent_messages_lease_check CHECK (((status = 'running'::appliance.message_status) = (lease_expires_at IS NOT NULL))),
-    CONSTRAINT agent_messages_max_attempts_check CHECK (((max_attempts >= 1) AND (max_attempts <= 100)))
+    CONSTRAINT agent_messages_max_attempts_check CHECK (((max_attempts >= 1) AND (max_attempts <= 100))),
+    CONSTRAINT agent_messages_not_before_readable CHECK (((not_before >= '0001-01-01 00:00:00+00'::timestamp with time zone) AND (not_before < '10000-01-01 00:00:00+00'::timestamp with time zone)))
 );
 
 ALTER TABLE ONLY appliance.agent_messages FORCE ROW LEVEL SECURITY;
@@ -2692,6 +2699,18 @@ GRANT USAGE ON SCHEMA appliance TO appliance_app;
 GRANT USAGE ON SCHEMA appliance TO appliance_system;
 
 --
+-- Name: FUNCTION agent_messages_log_insert(); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.agent_messages_log_insert() FROM PUBLIC;
+
+--
+-- Name: FUNCTION agent_messages_log_update(); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.agent_messages_log_update() FROM PUBLIC;
+
+--
 -- Name: FUNCTION archive_messages(p_cutoff timestamp with time zone, p_batch integer, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
@@ -2709,6 +2728,7 @@ GRANT ALL ON FUNCTION appliance.cancel_message(p_id bigint, p_reason text, p_act
 -- Name: FUNCTION claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone) TO appliance_app;
 GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p_pipeline text, p_stage text, p_skip text[], p_now timestamp with time zone) TO appliance_system;
 
@@ -2716,6 +2736,7 @@ GRANT ALL ON FUNCTION appliance.claimable(p_deadline timestamp with time zone, p
 -- Name: FUNCTION clock(p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.clock(p_now timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.clock(p_now timestamp with time zone) TO appliance_app;
 GRANT ALL ON FUNCTION appliance.clock(p_now timestamp with time zone) TO appliance_system;
 
@@ -2723,6 +2744,7 @@ GRANT ALL ON FUNCTION appliance.clock(p_now timestamp with time zone) TO applian
 -- Name: FUNCTION current_tenant(); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.current_tenant() FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_app;
 GRANT ALL ON FUNCTION appliance.current_tenant() TO appliance_system;
 
@@ -2744,6 +2766,7 @@ GRANT ALL ON FUNCTION appliance.enqueue_tenant_requests(p_now timestamp with tim
 -- Name: FUNCTION idempotency_key(source text, source_id text, stage text); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_app;
 GRANT ALL ON FUNCTION appliance.idempotency_key(source text, source_id text, stage text) TO appliance_system;
 
@@ -2792,42 +2815,56 @@ GRANT ALL ON FUNCTION appliance.refresh_planner_stats(p_min_pages bigint, p_grow
 -- Name: FUNCTION run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.run_budget_adjust(p_tenant text, p_source text, p_source_id text, p_delta jsonb) TO appliance_system;
 
 --
 -- Name: FUNCTION run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.run_budget_reserve(p_tenant text, p_source text, p_source_id text, p_pipeline text, p_limits jsonb, p_reserve numeric, p_verification boolean, p_ask jsonb, p_now timestamp with time zone) TO appliance_system;
+
+--
+-- Name: FUNCTION spend_alert_check(p_month date, p_tenant text, p_at timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.spend_alert_check(p_month date, p_tenant text, p_at timestamp with time zone) FROM PUBLIC;
+GRANT ALL ON FUNCTION appliance.spend_alert_check(p_month date, p_tenant text, p_at timestamp with time zone) TO appliance_system;
 
 --
 -- Name: FUNCTION spend_month(p_at timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.spend_month(p_at timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.spend_month(p_at timestamp with time zone) TO appliance_system;
 
 --
 -- Name: FUNCTION spend_platform_month(p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.spend_platform_month(p_now timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.spend_platform_month(p_now timestamp with time zone) TO appliance_system;
 
 --
 -- Name: FUNCTION spend_release_dead(p_batch integer, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.spend_release_dead(p_batch integer, p_now timestamp with time zone) TO appliance_system;
 
 --
 -- Name: FUNCTION spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.spend_reserve(p_tenant text, p_lane appliance.lane, p_amount numeric, p_message_id bigint, p_lease_token bigint, p_pipeline text, p_stage text, p_kind text, p_model text, p_tier text, p_now timestamp with time zone) TO appliance_system;
 
 --
 -- Name: FUNCTION spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone); Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
+REVOKE ALL ON FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_energy double precision, p_provenance text, p_status text, p_note text, p_now timestamp with time zone) TO appliance_system;
 
 --
@@ -2835,6 +2872,18 @@ GRANT ALL ON FUNCTION appliance.spend_settle(p_hold bigint, p_amount numeric, p_
 --
 
 REVOKE ALL ON FUNCTION appliance.tenant_clock(p_now timestamp with time zone) FROM PUBLIC;
+
+--
+-- Name: FUNCTION tenants_guard(); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.tenants_guard() FROM PUBLIC;
+
+--
+-- Name: FUNCTION tenants_runtime_row(); Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+REVOKE ALL ON FUNCTION appliance.tenants_runtime_row() FROM PUBLIC;
 
 --
 -- Name: FUNCTION upkeep_window_done(p_name text, p_first bigint, p_pages bigint, p_done integer, p_batch integer, p_last bigint); Type: ACL; Schema: appliance; Owner: appliance_owner
