@@ -451,6 +451,11 @@ keys AS (
     SELECT req.tenant, req.key, nextval('agent_messages_id_seq'), req.at, req.at + p_retention,
            p_retention
     FROM req
+    -- Ids in the order of the requests: a batch's messages share their not-before, so the
+    -- claim takes them by id, and the join above hands its rows on in its own order (a hash
+    -- join's: reversed). nextval is evaluated after the sort (PostgreSQL postpones volatile
+    -- expressions of the target list past an ORDER BY).
+    ORDER BY req.ord
     ON CONFLICT (tenant, key) DO UPDATE
     -- A live key answers with its message; an expired one is taken over by the new request.
     -- Taken over only when its message has left the hot table as well (migration 0024): a

@@ -151,6 +151,19 @@ async def test_duplicates_inside_one_batch(bus: Bus) -> None:
     assert results[0].id == results[2].id
 
 
+@pytest.mark.parametrize("size", [2, 8, 1500])
+async def test_a_batch_is_claimed_in_the_order_it_was_submitted(bus: Bus, size: int) -> None:
+    """Its messages share their not-before, so the claim takes them by id: the ids follow the
+    requests. They were drawn in a hash join's order, reversed, and the last request ran first
+    (also for a batch sent in more than one statement, and with a duplicate among them)."""
+    requests = [req(bus, f"n{i}") for i in range(size)]
+    results = await bus.enqueue_many([*requests, req(bus, "n0")], now=T0)
+    ids = [r.id for r in results[:-1]]
+    assert ids == sorted(ids) and results[-1].id == ids[0]
+    claimed = await bus.claim("w", limit=size, now=T0 + timedelta(seconds=1))
+    assert [m.source_id for m in claimed] == [f"n{i}" for i in range(size)]
+
+
 async def test_key_reused_after_retention_once_its_message_left(bus: Bus, db: Database) -> None:
     short = Bus(bus.store, BusConfig(idempotency_retention=timedelta(days=1)))
     first = await short.enqueue(now=T0, **vars_of(req(bus, "old")))
