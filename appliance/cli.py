@@ -21,7 +21,7 @@ from pydantic_settings import SettingsError
 
 from appliance import cli_models, cli_spend
 from appliance.db.database import DATABASE_ERRORS, check_server, client_command, error_text
-from appliance.db.migrate import migrate
+from appliance.db.migrate import migrate, schema_problem
 from appliance.db.schema_dump import dump_schema
 from appliance.domain.envelope import (
     WAITING,
@@ -37,6 +37,7 @@ from appliance.domain.errors import (
     ConfigurationError,
     DatabaseUnavailable,
     InvalidInput,
+    MigrationError,
     UnknownTenant,
 )
 from appliance.domain.pipeline import Pipeline
@@ -916,6 +917,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise DatabaseUnavailable(
                     f"{exc} (the local one: appliance db start && appliance db migrate)"
                 ) from None
+            # And a schema this code was written for: a database not migrated (or migrated
+            # by other code) failed later, on a relation or a function it did not find.
+            problem = schema_problem(endpoints(settings).system)
+            if problem is not None:
+                raise MigrationError(problem)
         return asyncio.run(handler(settings, args))
     except ApplianceError as exc:
         print(f"error: {exc}", file=sys.stderr)

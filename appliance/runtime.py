@@ -22,11 +22,12 @@ from appliance.bus.runner import Runner, RunnerConfig, default_worker_id
 from appliance.db.cluster import LocalCluster, find_bindir
 from appliance.db.database import Database, Endpoints
 from appliance.db.listener import PgDoorbell
+from appliance.db.migrate import schema_problem
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.spend_store import PgCalibrationStore, PgSpendStore
 from appliance.db.tenant_store import PgTenantStore
 from appliance.domain.cost import Amortisation, Pricing, Tariff, TimeOfUse
-from appliance.domain.errors import ClusterError, ConfigurationError
+from appliance.domain.errors import ClusterError, ConfigurationError, MigrationError
 from appliance.domain.inference import InferenceRequest, Tier
 from appliance.domain.pipeline import Pipeline, Registry
 from appliance.domain.schedule import Schedule
@@ -436,6 +437,11 @@ async def _serve(
     db = database(settings, ends, min_size=2, max_size=max(4, min(config.concurrency + 4, 32)))
     await db.open()
     try:
+        # A schema this code was written for, or a clear stop (its service restarts it once
+        # the database is migrated) rather than failing on every claim.
+        problem = await asyncio.to_thread(schema_problem, ends.system)
+        if problem is not None:
+            raise MigrationError(problem)
         store = PgRunnerStore(db)
         bus = Bus(store, bus_config(settings))
         await store.sync_pipelines(pipelines)

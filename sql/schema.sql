@@ -2985,6 +2985,12 @@ GRANT SELECT,INSERT,UPDATE ON TABLE appliance.runners TO appliance_system;
 GRANT SELECT ON TABLE appliance.runners TO appliance_app;
 
 --
+-- Name: TABLE schema_migrations; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.schema_migrations TO appliance_system;
+
+--
 -- Name: TABLE spend_alerts; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 

@@ -69,6 +69,37 @@ def discover(directory: Path | None = None) -> list[Migration]:
     return found
 
 
+def schema_problem(conninfo: str, directory: Path | None = None, timeout_s: int = 5) -> str | None:
+    """What is wrong between the database's schema and this code's migrations, read as the
+    role of `conninfo` (the machinery's), or None when they match: a database not migrated,
+    or migrated by older or newer code. Its own connection, as a command's first check."""
+    latest = len(discover(directory))  # versions run 1..n without gaps (discover checks)
+    migrate_hint = "run `appliance db migrate`"
+    try:
+        with psycopg.connect(conninfo, connect_timeout=timeout_s, autocommit=True) as conn:
+            row = conn.execute("SELECT max(version) FROM appliance.schema_migrations").fetchone()
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+        return (
+            f"the database has no appliance schema (this code needs migration {latest:04d}): "
+            + migrate_hint
+        )
+    except psycopg.errors.InsufficientPrivilege:
+        # The grant this reads by came with migration 0042: a database older than that.
+        return f"the database's schema is older than this code's ({latest:04d}): " + migrate_hint
+    at = int(row[0]) if row is not None and row[0] is not None else 0
+    if at < latest:
+        return (
+            f"the database's schema is at migration {at:04d}, this code needs {latest:04d}: "
+            + migrate_hint
+        )
+    if at > latest:
+        return (
+            f"the database's schema is at migration {at:04d}, newer than this code's"
+            f" {latest:04d}: run the appliance version that migrated it (or upgrade this one)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class MigrateReport:
     """What a migrate run found and did."""

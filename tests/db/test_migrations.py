@@ -13,7 +13,8 @@ import psycopg
 import pytest
 
 from appliance.db.cluster import find_bindir
-from appliance.db.migrate import discover, migrate
+from appliance.db.database import Endpoints
+from appliance.db.migrate import discover, migrate, schema_problem
 from appliance.db.queries import sql_dir
 from appliance.db.schema_dump import dump_schema
 from appliance.domain.errors import MigrationError
@@ -103,6 +104,49 @@ def test_database_newer_than_code_is_refused(empty_db: str, tmp_path: Path) -> N
     sorted((copy / "migrations").glob("*.sql"))[-1].unlink()
     with pytest.raises(MigrationError, match="newer than the code"):
         migrate(empty_db, copy)
+
+
+def test_a_schema_other_than_the_codes_is_named_with_what_to_run(
+    empty_db: str, tmp_path: Path
+) -> None:
+    """A command or a runner started against a database not migrated, or migrated by older or
+    newer code, failed later on a relation or a function it did not find."""
+    system = Endpoints.from_admin(empty_db).system
+    latest = len(discover())
+    assert schema_problem(system) == (
+        f"the database has no appliance schema (this code needs migration {latest:04d}): run"
+        " `appliance db migrate`"
+    )
+    migrate(empty_db)
+    assert schema_problem(system) is None
+    # Code that has one migration more than the database.
+    newer = tmp_path / "newer"
+    shutil.copytree(sql_dir(), newer)
+    (newer / "migrations" / f"{latest + 1:04d}_later.sql").write_text("SELECT 1;\n")
+    assert schema_problem(system, newer) == (
+        f"the database's schema is at migration {latest:04d}, this code needs"
+        f" {latest + 1:04d}: run `appliance db migrate`"
+    )
+    # Code that has one fewer.
+    older = tmp_path / "older"
+    shutil.copytree(sql_dir(), older)
+    sorted((older / "migrations").glob("*.sql"))[-1].unlink()
+    assert schema_problem(system, older) == (
+        f"the database's schema is at migration {latest:04d}, newer than this code's"
+        f" {latest - 1:04d}: run the appliance version that migrated it (or upgrade this one)"
+    )
+
+
+def test_a_schema_from_before_the_machinery_could_read_its_version(
+    empty_db: str, tmp_path: Path
+) -> None:
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    for path in sorted((copy / "migrations").glob("*.sql"))[41:]:
+        path.unlink()  # up to 0041: before the grant of migration 0042
+    migrate(empty_db, copy)
+    problem = schema_problem(Endpoints.from_admin(empty_db).system)
+    assert problem is not None and "older than this code's" in problem
 
 
 def test_misnamed_or_gapped_files_are_errors(tmp_path: Path) -> None:

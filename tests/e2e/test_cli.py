@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from appliance.db.database import Endpoints
+from tests.pgserver import PgTestServer
 
 APPLIANCE = [sys.executable, "-m", "appliance.cli"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -311,6 +312,26 @@ def test_an_unreachable_or_misnamed_database_is_one_line_not_a_trace(
     assert proc.returncode == 2
     assert "db.port (environment variable APPLIANCE_DB__PORT)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_database_not_migrated_says_to_migrate(
+    env: dict[str, str], pg_server: PgTestServer
+) -> None:
+    """It failed on the first relation it did not find (`relation "tenants" does not
+    exist`), and a runner on every claim."""
+    name = pg_server.create_empty()
+    try:
+        bare = {**env, "APPLIANCE_DATABASE_URL": pg_server.endpoints(name).admin}
+        for args in (["status"], ["tenant", "list"], ["runner"]):
+            proc = run(bare, *args, check=False)
+            assert proc.returncode == 2, args
+            assert "the database has no appliance schema" in proc.stderr, (args, proc.stderr)
+            assert "run `appliance db migrate`" in proc.stderr, args
+            assert "Traceback" not in proc.stderr, args
+        run(bare, "db", "migrate")
+        assert run(bare, "tenant", "list").returncode == 0
+    finally:
+        pg_server.drop(name)
 
 
 def test_work_submitted_before_any_runner_gets_its_stages_lane_and_tier(
