@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
@@ -24,6 +24,7 @@ from appliance.db.database import DATABASE_ERRORS, check_server, client_command,
 from appliance.db.migrate import migrate, schema_problem
 from appliance.db.schema_dump import dump_schema
 from appliance.domain.envelope import (
+    CONTEXT_TEXT_SLACK,
     WAITING,
     EnqueueRequest,
     Lane,
@@ -55,6 +56,9 @@ from appliance.runtime import (
     services,
 )
 from appliance.settings import Settings, settings_error_text
+
+if TYPE_CHECKING:
+    from appliance.db.cluster import LocalCluster
 
 
 def _parse_time(field: str, text: str | None) -> datetime | None:
@@ -106,21 +110,28 @@ def _read_context(text: str | None, max_bytes: int) -> Any:
         return decode_context(text, max_bytes)
     if text == "@":
         raise InvalidInput("context", "@ names no file (@FILE, or @- for standard input)")
-    # At most one byte over the limit: a huge file (or /dev/zero) is refused by its size
-    # without being read whole into memory.
+    # The limit is on the context, its compact JSON (as the API measures it), not on the
+    # file's bytes: a file written with indentation or a final newline may be larger than its
+    # context. Read at most the text decode_context takes, so that a huge file (or /dev/zero)
+    # is refused by its size without being read whole into memory.
+    cap = max_bytes * CONTEXT_TEXT_SLACK
     if text == "@-":
         # Standard input: the way to send a context larger than a command line may be.
         where = "standard input"
-        data = sys.stdin.buffer.read(max_bytes + 1)
+        data = sys.stdin.buffer.read(cap + 1)
     else:
         where = text[1:]
         try:
             with Path(where).open("rb") as f:
-                data = f.read(max_bytes + 1)
+                data = f.read(cap + 1)
         except OSError as exc:
             raise InvalidInput("context", f"cannot read {where}: {exc.strerror}") from None
-    if len(data) > max_bytes:
-        raise InvalidInput("context", f"{where} is over the limit of {max_bytes} bytes")
+    if len(data) > cap:
+        raise InvalidInput(
+            "context",
+            f"{where} is over {cap} bytes, {CONTEXT_TEXT_SLACK} times the limit of {max_bytes}"
+            " bytes (on its compact JSON)",
+        )
     try:
         return decode_context(data, max_bytes)
     except InvalidInput as exc:
@@ -128,6 +139,14 @@ def _read_context(text: str | None, max_bytes: int) -> Any:
 
 
 # -- db ----------------------------------------------------------------------------------------
+
+
+def _start_hint(cluster: LocalCluster | None, *, migrate: bool) -> str:
+    """What to do about a database that does not answer: start the local one, or, with
+    APPLIANCE_DATABASE_URL, see to the server it names (the appliance manages none there)."""
+    if cluster is None:
+        return "(APPLIANCE_DATABASE_URL names a server the appliance does not manage: is it up?)"
+    return "(the local one: appliance db start" + (" && appliance db migrate)" if migrate else ")")
 
 
 def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
@@ -139,7 +158,7 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
         try:
             check_server(endpoints(settings).admin)
         except DatabaseUnavailable as exc:
-            raise DatabaseUnavailable(f"{exc} (the local one: appliance db start)") from None
+            raise DatabaseUnavailable(f"{exc} {_start_hint(cluster, migrate=False)}") from None
     if action == "migrate":
         report = migrate(endpoints(settings).admin)
         print(
@@ -208,6 +227,10 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
                 f"): a start waits up to {cluster.orphan_wait_s:.0f} s for them, then refuses"
                 f" (end them: kill {' '.join(map(str, left))})"
             )
+        elif st.running and (elsewhere := cluster.running_mismatch()):
+            # Running, but not where these settings (and so every command) look for it.
+            print(f"database: running, pid {st.pid}, but {elsewhere}")
+            return 3
         print(f"database: {state}; data {st.data_dir}; socket {st.socket_dir}; port {st.port}")
         # Refused: not the appliance's database, however it runs.
         return 0 if st.running and not foreign else 3
@@ -914,9 +937,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 check_server(endpoints(settings).system)
             except DatabaseUnavailable as exc:
-                raise DatabaseUnavailable(
-                    f"{exc} (the local one: appliance db start && appliance db migrate)"
-                ) from None
+                hint = _start_hint(local_cluster(settings), migrate=True)
+                raise DatabaseUnavailable(f"{exc} {hint}") from None
             # And a schema this code was written for: a database not migrated (or migrated
             # by other code) failed later, on a relation or a function it did not find.
             problem = schema_problem(endpoints(settings).system)

@@ -931,6 +931,15 @@ class LocalCluster:
             raise
         log.info("PostgreSQL started (data %s, socket %s)", self.data_dir, self.socket_dir)
 
+    def running_mismatch(self) -> str | None:
+        """Why the running server is not where these settings point (another port, socket or
+        TCP address: it was started with other settings), or None."""
+        try:
+            self._check_running_matches()
+        except ClusterError as exc:
+            return str(exc)
+        return None
+
     def _check_running_matches(self) -> None:
         """A running server must listen where conninfo() points, or clients cannot find it."""
         lines = self._read_pidfile() or []

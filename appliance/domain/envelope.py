@@ -310,12 +310,24 @@ def _no_constant(text: str) -> Any:
     raise InvalidInput("context", f"{text} is not a JSON value")
 
 
+# How much longer than the context limit a context's text may be before it is parsed: the
+# limit is on its compact JSON (as a request measures it), and text written by hand or by a
+# tool carries white space (indentation, line ends) the compact form drops. Longer text is
+# refused unparsed.
+CONTEXT_TEXT_SLACK = 4
+
+
 def decode_context(text: str | bytes, max_bytes: int) -> JSONValue:
     """Context given as JSON text or UTF-8 bytes (CLI, API): parsed, or an error naming the
-    field. Every way the text can be unreadable is that error, never a traceback."""
+    field. Every way the text can be unreadable is that error, never a traceback. The limit
+    is on the context's compact JSON, as `EnqueueRequest.build` measures it."""
     size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
-    if size > max_bytes:
-        raise InvalidInput("context", f"is {size} bytes, over the limit of {max_bytes} bytes")
+    if size > max_bytes * CONTEXT_TEXT_SLACK:
+        raise InvalidInput(
+            "context",
+            f"is {size} bytes of text, over {CONTEXT_TEXT_SLACK} times the limit of {max_bytes}"
+            " bytes (on its compact JSON)",
+        )
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -326,7 +338,7 @@ def decode_context(text: str | bytes, max_bytes: int) -> JSONValue:
     if not text.isascii():
         _check_unicode("context", text)
     try:
-        return json.loads(text, parse_float=_exact_float, parse_constant=_no_constant)
+        value: JSONValue = json.loads(text, parse_float=_exact_float, parse_constant=_no_constant)
     except InvalidInput:
         raise
     except json.JSONDecodeError as exc:
@@ -336,6 +348,8 @@ def decode_context(text: str | bytes, max_bytes: int) -> JSONValue:
     except ValueError as exc:
         # The parser's own limits, for example an integer of more than 4,300 digits.
         raise InvalidInput("context", f"is not usable JSON: {exc}") from None
+    encode_context(value, max_bytes)  # over the limit once compact: refused here, named so
+    return value
 
 
 @dataclass(frozen=True)

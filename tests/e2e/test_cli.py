@@ -72,7 +72,7 @@ def test_submit_twice_prints_same_id_new_then_duplicate(env: dict[str, str]) -> 
         (["--context", "{not json"], "context: is not valid JSON"),
         (["--context", "@/nonexistent/file.json"], "context: cannot read"),
         # Read no further than one byte past the limit: not a MemoryError after reading it all.
-        (["--context", "@/dev/zero"], "context: /dev/zero is over the limit of 1048576 bytes"),
+        (["--context", "@/dev/zero"], "context: /dev/zero is over 4194304 bytes, 4 times"),
         (["--context", '"\udcff"'], "context: contains a lone surrogate"),
         (["--deadline", "tomorrow"], "deadline: 'tomorrow' is not an ISO 8601 time"),
         (["--deadline", "2020-01-01T00:00:00Z"], "deadline: 2020-01-01T00:00:00+00:00 is not in"),
@@ -144,6 +144,12 @@ def test_local_cluster_lifecycle_from_the_cli(state_dir: Path) -> None:
         psql = run(env, "db", "psql", "--role", "system", "-tAc", "SELECT current_user")
         assert psql.stdout.strip() == "appliance_system"
         assert (state_dir / "pg" / "data" / "appliance-cluster.json").exists()
+        assert run(env, "db", "status").stdout.startswith("database: running, pid")
+        # Settings that point elsewhere than the running server: said, not "running, port X".
+        moved = run({**env, "APPLIANCE_DB__PORT": "5434"}, "db", "status", check=False)
+        assert moved.returncode == 3
+        assert "already running on port 5433" in moved.stdout, moved.stdout
+        assert "not port 5434" in moved.stdout, moved.stdout
     finally:
         run(env, "db", "stop", check=False)
     assert run(env, "db", "status", check=False).returncode == 3
@@ -304,6 +310,8 @@ def test_an_unreachable_or_misnamed_database_is_one_line_not_a_trace(
             proc.stderr
         ), args
         assert "Traceback" not in proc.stderr, args
+        # A server the appliance does not manage: nothing to `db start`.
+        assert "appliance db start" not in proc.stderr, args
     garbled = {**env, "APPLIANCE_DATABASE_URL": "not a url"}
     proc = run(garbled, "db", "migrate", check=False)
     assert proc.returncode == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 from typing import Any
 
@@ -162,8 +163,16 @@ def test_a_context_comes_from_a_file_or_standard_input_and_a_bare_at_is_refused(
     assert cli._read_context(f"@{path}", 100) == {"a": 1}
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"b": [2]}')))
     assert cli._read_context("@-", 100) == {"b": [2]}
-    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x" * 101)))
-    with pytest.raises(InvalidInput, match="standard input is over the limit of 100 bytes"):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x" * 401)))
+    with pytest.raises(InvalidInput, match="standard input is over 400 bytes, 4 times the limit"):
         cli._read_context("@-", 100)
+    # The limit is the context's compact JSON, as the API measures it, not the file's bytes.
+    indented = json.dumps({"k": ["v" * 80]}, indent=8) + "\n"
+    assert len(indented.encode()) > 100 > len(json.dumps({"k": ["v" * 80]}, separators=(",", ":")))
+    path.write_text(indented)
+    assert cli._read_context(f"@{path}", 100) == {"k": ["v" * 80]}
+    path.write_text(json.dumps({"k": "v" * 100}))
+    with pytest.raises(InvalidInput, match=r"is 1\d\d bytes, over the limit of 100 bytes"):
+        cli._read_context(f"@{path}", 100)
     with pytest.raises(InvalidInput, match="names no file"):
         cli._read_context("@", 100)

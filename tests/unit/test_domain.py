@@ -157,7 +157,8 @@ def test_bad_input_names_field_and_limit(kw: dict[str, object], field: str, need
         ("1" * 5000, "not usable JSON"),  # over the parser's 4,300-digit integer limit
         ("[" * 5000 + "]" * 5000, "nested too deeply"),
         ("{not json", "not valid JSON"),
-        ("é" * 600, "1200 bytes, over the limit of 1000 bytes"),  # bytes, not characters
+        ('"' + "é" * 600 + '"', "1202 bytes, over the limit of 1000 bytes"),  # bytes, not chars
+        ("x" * 4001, "4001 bytes of text, over 4 times the limit of 1000 bytes"),  # unparsed
         # Numbers a float would change are refused, not silently rounded on the way in.
         ('{"amount": 12345678901234567890.25}', "12345678901234567890.25 cannot be kept"),
         ('{"rate": 0.10000000000000000000001}', "send it as a string"),
@@ -174,6 +175,8 @@ def test_context_text_that_cannot_be_read_is_named_never_a_traceback(
     assert info.value.field == "context"
     assert needle in str(info.value)
     assert decode_context('{"a": [1, "é"]}'.encode(), 1000) == {"a": [1, "é"]}
+    # The limit is on the compact JSON, as a request measures it: white space is not counted.
+    assert decode_context('{\n    "a":   [1,\n  2]\n}\n', 12) == {"a": [1, 2]}
     exact = decode_context(
         "[0.1, 1e5, 2.50, -0.0, 1.7976931348623157e308, 12345678901234567890]", 1000
     )
