@@ -584,10 +584,15 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
         elif args.bus_action == "cancel":
             ok = await svc.bus.cancel(args.tenant, args.id, reason=args.reason)
             if not ok:
-                print(
-                    f"message {args.id} not cancelled (absent, another tenant's, or finished)",
-                    file=sys.stderr,
+                # Read after the refusal, as redrive does: what it found (another tenant's
+                # message is not found for this one).
+                message = await svc.bus.get(args.tenant, args.id)
+                why = (
+                    f"not found for tenant {args.tenant}"
+                    if message is None
+                    else f"is {message.status.value}: it has already ended"
                 )
+                print(f"message {args.id} not cancelled: {why}", file=sys.stderr)
                 return 1
             print("cancelled")
             return 0

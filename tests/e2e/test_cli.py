@@ -193,6 +193,13 @@ def test_operator_commands_say_what_they_did_not_do(env: dict[str, str]) -> None
     assert proc.stdout.strip() == "redriven: 0"
     assert f"message {pending} not redriven: is pending, not dead" in proc.stderr
     assert "message 99999 not redriven: not found for tenant acme" in proc.stderr
+    # A cancel it refused says why, as a redrive does.
+    assert run(env, "bus", "cancel", "--tenant", "acme", pending).stdout.strip() == "cancelled"
+    proc = run(env, "bus", "cancel", "--tenant", "acme", pending, check=False)
+    assert proc.returncode == 1
+    assert f"message {pending} not cancelled: is cancelled: it has already ended" in proc.stderr
+    proc = run(env, "bus", "cancel", "--tenant", "acme", "99999", check=False)
+    assert "message 99999 not cancelled: not found for tenant acme" in proc.stderr
     assert run(env, "bus", "redrive", "--tenant", "acme").stdout.strip() == "redriven: 0"
 
 
