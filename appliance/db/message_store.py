@@ -75,11 +75,14 @@ async def run_batches(db: Database, name: str, params: dict[str, Any]) -> int:
             return total
 
 
-def _ack(applied: bool, status: str | None, same_lease: bool | None) -> AckOutcome:
-    """A completion's answer. Done under the same lease is a retried completion (its first
-    commit's answer was lost with the connection): applied, by that first one, not a lost
-    lease; a completion must be safe to send again."""
-    if applied or (same_lease and status == MessageStatus.DONE):
+def _ack(
+    applied: bool, status: str | None, same_lease: bool | None, same_answer: bool | None = True
+) -> AckOutcome:
+    """A completion's answer. Done under the same lease with the same result and outcome is a
+    retried completion (its first commit's answer was lost with the connection): applied, by
+    that first one, not a lost lease; a completion must be safe to send again. With another
+    result it changed nothing, and is told so (stale), not that it was recorded."""
+    if applied or (same_lease and status == MessageStatus.DONE and same_answer):
         return AckOutcome.APPLIED
     if same_lease and status == MessageStatus.CANCELLED:
         return AckOutcome.CANCELLED
@@ -478,7 +481,7 @@ class PgMessageStore:
         params = complete_params(completions, actor=actor, now=now)
         try:
             async with self.db.system_conn() as conn:
-                # (id, applied, status, same_lease, token)
+                # (id, applied, status, same_lease, token, same_answer)
                 cur = conn.cursor(row_factory=tuple_row)
                 rows = await (await cur.execute(q("message_complete"), params)).fetchall()
         except psycopg.errors.LockNotAvailable:
@@ -489,7 +492,7 @@ class PgMessageStore:
             # A result or outcome the database cannot hold: the caller's data, never worth
             # sending again as it is (unlike a lost connection).
             raise _refused("completion", exc) from None
-        by_lease = {(r[0], r[4]): _ack(r[1], r[2], r[3]) for r in rows}
+        by_lease = {(r[0], r[4]): _ack(r[1], r[2], r[3], r[5]) for r in rows}
         raced = [(r[0], r[4]) for r in rows if _raced(r[1], r[2], r[3])]
         if raced:
             fresh = await self._lease_states([mid for mid, _ in raced])

@@ -372,7 +372,13 @@ async def test_a_completion_sent_again_under_its_lease_is_applied_not_lost(bus: 
     await bus.enqueue(now=T0, **vars_of(req(bus, "twice")))
     (m,) = await bus.claim("w", now=T0)
     assert await bus.complete(m.lease, {"n": 1}, now=T0) is AckOutcome.APPLIED
-    assert await bus.complete(m.lease, {"n": 2}, now=T0) is AckOutcome.APPLIED
+    assert await bus.complete(m.lease, {"n": 1}, now=T0) is AckOutcome.APPLIED
+    # Another result under the same lease changes nothing, and is told so rather than that
+    # it was recorded.
+    assert await bus.complete(m.lease, {"n": 2}, now=T0) is AckOutcome.STALE
+    assert (await bus.complete_many([Completion(m.lease, {"n": 1}, "other")], now=T0)) == [
+        AckOutcome.STALE
+    ]
     got = await bus.get("acme", m.id)
     assert got is not None and got.result == {"n": 1}  # the first one's, unchanged
     log = await bus.store.transitions("acme", m.id)  # type: ignore[attr-defined]
@@ -617,10 +623,15 @@ async def test_batched_completion(bus: Bus) -> None:
     claimed = await bus.claim("w", limit=20)
     outcomes = await bus.complete_many([Completion(m.lease, {"i": m.id}) for m in claimed])
     assert outcomes == [AckOutcome.APPLIED] * 20
-    # Sent again (their answers lost): applied, by the first, and nothing changes.
+    # Sent again (their answers lost): applied, by the first, and nothing changes; with
+    # another result, not applied, and told so.
+    assert (
+        await bus.complete_many([Completion(m.lease, {"i": m.id}) for m in claimed[:3]])
+        == [AckOutcome.APPLIED] * 3
+    )
     assert (
         await bus.complete_many([Completion(m.lease) for m in claimed[:3]])
-        == [AckOutcome.APPLIED] * 3
+        == [AckOutcome.STALE] * 3
     )
     for m in claimed[:3]:
         got = await bus.get("acme", m.id)

@@ -144,10 +144,14 @@ async def test_completion_hands_off_to_the_next_stage_exactly_once(rstore: PgRun
     assert await rstore.complete([Completion(m.lease, result)], actor="w", now=T0) == [
         AckOutcome.APPLIED
     ]
-    # A retried completion (same lease) changes nothing and enqueues nothing; it answers
-    # applied (by the first), as its first answer would have, had it not been lost.
-    assert await rstore.complete([Completion(m.lease, {"other": 1})], actor="w", now=T0) == [
+    # A retried completion (same lease, same result) changes nothing and enqueues nothing; it
+    # answers applied (by the first), as its first answer would have, had it not been lost.
+    assert await rstore.complete([Completion(m.lease, result)], actor="w", now=T0) == [
         AckOutcome.APPLIED
+    ]
+    # Another result under it changes nothing either, and is not told it was recorded.
+    assert await rstore.complete([Completion(m.lease, {"other": 1})], actor="w", now=T0) == [
+        AckOutcome.STALE
     ]
     (nxt,) = await claim(rstore, Lane.BATCH)
     assert (nxt.stage, nxt.source_id, nxt.context, nxt.extra["hops"]) == ("b", "s1", result, 1)
