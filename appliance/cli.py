@@ -612,9 +612,10 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             waits = [due for _, due in found if due is not None]
             line = f"reclaimed: {len(found)}"
             if found:
-                # Back after a failed attempt's backoff: promoted by a runner's maintenance.
+                # Back after a failed attempt's backoff: promoted by a runner's maintenance, or
+                # by a claim of the Bus API that finds too little.
                 line += f" ({len(waits)} pending" + (
-                    f", due within {max(waits):.1f} s, when a runner promotes them" if waits else ""
+                    f", claimable within {max(waits):.1f} s" if waits else ""
                 )
                 line += f"; {len(found) - len(waits)} dead)"
             print(line)

@@ -138,14 +138,28 @@ class Bus:
         """Lease up to `limit` messages of `lanes`, strict by lane: interactive, system, batch,
         whatever order `lanes` names them in (batch work never goes ahead of interactive)."""
         wanted = {parse_lane(lane) for lane in lanes}
-        return await self.store.claim(
-            worker=worker,
-            lanes=[lane for lane in ALL_LANES if lane in wanted],
-            limit=limit,
-            lease=lease_duration_ok(lease if lease is not None else self.config.lease),
-            tenant=tenant,
-            now=now,
+        order = [lane for lane in ALL_LANES if lane in wanted]
+        held = lease_duration_ok(lease if lease is not None else self.config.lease)
+        claimed = await self.store.claim(
+            worker=worker, lanes=order, limit=limit, lease=held, tenant=tenant, now=now
         )
+        if len(claimed) < limit and await self.store.promote_due(
+            lanes=order, batch=self.config.maintenance_batch, now=now
+        ):
+            # Short: work that has come due (a failed attempt's backoff over, work enqueued
+            # for later) is made claimable and asked for, so that a worker of this API alone,
+            # with no runner's maintenance anywhere, still gets its retries back.
+            claimed += await self.store.claim(
+                worker=worker,
+                lanes=order,
+                limit=limit - len(claimed),
+                lease=held,
+                tenant=tenant,
+                now=now,
+            )
+            # In one claim's order: by lane, then as each lane's claim orders its work.
+            claimed.sort(key=lambda m: (order.index(m.lane), -m.priority, m.not_before, m.id))
+        return claimed
 
     async def heartbeat(
         self, lease: LeaseRef, *, extend: timedelta | None = None, now: datetime | None = None

@@ -272,8 +272,8 @@ def test_reclaim_says_when_the_work_is_back(env: dict[str, str], fresh_db: Endpo
             )
     out = run(env, "bus", "reclaim").stdout.strip()
     # After one attempt, the default backoff: 1-2 s.
-    assert out.startswith("reclaimed: 2 (1 pending, due within "), out
-    assert out.endswith(" s, when a runner promotes them; 1 dead)"), out
+    assert out.startswith("reclaimed: 2 (1 pending, claimable within "), out
+    assert out.endswith(" s; 1 dead)"), out
     assert 0.9 < float(out.split("within ")[1].split(" s")[0]) <= 2.0, out
 
 
