@@ -248,8 +248,13 @@ class Bus:
     async def reclaim_due(self, *, now: datetime | None = None) -> list[tuple[int, float | None]]:
         """Reclaim a batch of expired leases; each message with the seconds until its retry is
         due (None: it went dead)."""
+        # The jitter's seed comes from the Bus's own generator, so a Bus given a seeded (or
+        # pinned) generator reclaims with reproducible delays, as its failures retry.
         return await self.store.reclaim_due(
-            batch=self.config.maintenance_batch, now=now, backoff=self.config.retry
+            batch=self.config.maintenance_batch,
+            now=now,
+            backoff=self.config.retry,
+            jitter_seed=int(self._rng.random() * 2**62),
         )
 
     async def promote_due(self, *, now: datetime | None = None) -> int:

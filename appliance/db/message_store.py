@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -140,6 +141,9 @@ def _oldest(ages: Iterable[Any]) -> float | None:
 def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
+
+# Seeds for the reclaim's backoff jitter when the caller gives none: spread, not secret.
+_SEEDS = random.Random()
 
 # Stands in for each request's context while the heads are encoded together: a JSON string of
 # one NUL character, which no encoded text field can contain (enqueue refuses NUL in text
@@ -588,24 +592,37 @@ class PgMessageStore:
         return expired
 
     async def reclaim(
-        self, *, batch: int = 500, now: datetime | None = None, backoff: RetryPolicy = RETRY
+        self,
+        *,
+        batch: int = 500,
+        now: datetime | None = None,
+        backoff: RetryPolicy = RETRY,
+        jitter_seed: int | None = None,
     ) -> list[int]:
         """Return expired leases to pending after `backoff`'s delay for the attempts made (or
         to dead when attempts are used up, to expired when the message's deadline has passed);
         the ids reclaimed, logged `lease_expired`."""
-        return [mid for mid, _ in await self.reclaim_due(batch=batch, now=now, backoff=backoff)]
+        due = await self.reclaim_due(batch=batch, now=now, backoff=backoff, jitter_seed=jitter_seed)
+        return [mid for mid, _ in due]
 
     async def reclaim_due(
-        self, *, batch: int = 500, now: datetime | None = None, backoff: RetryPolicy = RETRY
+        self,
+        *,
+        batch: int = 500,
+        now: datetime | None = None,
+        backoff: RetryPolicy = RETRY,
+        jitter_seed: int | None = None,
     ) -> list[tuple[int, float | None]]:
         """As reclaim, with each message's seconds until its retry is due (None: dead or
-        expired)."""
+        expired). Each row's jitter is a hash of the row under `jitter_seed` (a fresh random
+        one when None), so a given seed reproduces the same delays."""
         params = {
             "now": now,
             "batch": batch,
             "actor": SYSTEM_ACTOR,
             "retry_base": backoff.base,
             "retry_cap": backoff.cap,
+            "jitter_seed": _SEEDS.getrandbits(62) if jitter_seed is None else jitter_seed,
         }
         async with self.db.system_conn() as conn:
             cur = await conn.execute(q("message_reclaim"), params)

@@ -205,13 +205,25 @@ class MessageStore(Protocol):
     async def expire(self, limits: ExpireLimits, *, batch: int, now: datetime | None) -> int: ...
 
     async def reclaim(
-        self, *, batch: int, now: datetime | None, backoff: RetryPolicy
+        self,
+        *,
+        batch: int,
+        now: datetime | None,
+        backoff: RetryPolicy,
+        jitter_seed: int | None = None,
     ) -> list[int]: ...
 
     async def reclaim_due(
-        self, *, batch: int, now: datetime | None, backoff: RetryPolicy
+        self,
+        *,
+        batch: int,
+        now: datetime | None,
+        backoff: RetryPolicy,
+        jitter_seed: int | None = None,
     ) -> list[tuple[int, float | None]]:
-        """As reclaim, with each message's seconds until its retry is due (None: dead)."""
+        """As reclaim, with each message's seconds until its retry is due (None: dead). The
+        backoff's jitter is drawn from `jitter_seed` (a fresh one when None): the same seed
+        gives the same delays."""
         ...
 
     async def promote_due(

@@ -164,7 +164,7 @@ WHERE m.id = victims.id
 RETURNING m.id;
 
 -- name: message_reclaim :many
--- Return running messages whose lease expired (by the database clock unless `now` is given) to pending after a retry's backoff (`retry_base` doubled per attempt, at most `retry_cap`, half-jittered, as a failed attempt's), to dead when attempts are used up, or to expired when the message's deadline has passed; a bounded batch.
+-- Return running messages whose lease expired (by the database clock unless `now` is given) to pending after a retry's backoff (`retry_base` doubled per attempt, at most `retry_cap`, half-jittered as a failed attempt's, the jitter a hash of the row under `jitter_seed`), to dead when attempts are used up, or to expired when the message's deadline has passed; a bounded batch.
 WITH stuck AS MATERIALIZED (
     SELECT id FROM agent_messages
     WHERE status = 'running'
@@ -190,7 +190,11 @@ SET status = CASE WHEN m.deadline <= coalesce(%(now)s::timestamptz, now()) THEN 
                                 * power(2::double precision,
                                         least(greatest(m.attempts, 1) - 1, 32)),
                             extract(epoch FROM %(retry_cap)s::interval))
-                    * (0.5 + 0.5 * random()) END,
+                    -- Half-jittered per row by a hash of the row under the caller's seed,
+                    -- not random(): the same seed gives the same delays, so a run is
+                    -- reproducible (the caller draws a fresh seed per batch).
+                    * (0.5 + 0.5 * abs(hashint8extended(m.id, %(jitter_seed)s::bigint)
+                                       %% 1000000)::double precision / 1000000) END,
     -- Out of the claim's index until due (migration 0020): the promoter puts it back.
     deferred = m.attempts < m.max_attempts
                AND NOT coalesce(m.deadline <= coalesce(%(now)s::timestamptz, now()), false),

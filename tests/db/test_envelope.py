@@ -330,6 +330,36 @@ async def test_a_reclaimed_message_backs_off_like_a_failed_attempt(bus: Bus) -> 
     assert got is not None and got.status is MessageStatus.DEAD and got.not_before == at
 
 
+async def test_reclaim_jitter_spreads_a_batch_and_its_seed_reproduces_it(bus: Bus) -> None:
+    # Leases that lapse together (a runner died) must not come back as one herd; yet the
+    # jitter is a hash of the row under the caller's seed, not the server's random(), so a
+    # seeded caller (a test, a replay) gets the same delays again. Each message's jitter
+    # fraction is read back from its delay over the attempt's ceiling.
+    ids = [
+        (await bus.enqueue(now=T0, max_attempts=5, **vars_of(req(bus, f"j{i}")))).id
+        for i in range(8)
+    ]
+    at = T0
+    rounds: list[dict[int, float]] = []
+    for attempt, seed in [(1, 7), (2, 7), (3, 8)]:
+        got = await bus.claim("w", limit=len(ids), lease=timedelta(seconds=30), now=at)
+        assert sorted(m.id for m in got) == ids and {m.attempts for m in got} == {attempt}
+        at += timedelta(seconds=31)
+        due = await bus.store.reclaim_due(
+            batch=100, now=at, backoff=bus.config.retry, jitter_seed=seed
+        )
+        ceiling = bus.config.retry.base.total_seconds() * 2 ** (attempt - 1)
+        rounds.append({mid: 2 * wait / ceiling - 1 for mid, wait in due if wait is not None})
+        assert sorted(rounds[-1]) == ids
+        assert all(0 <= f < 1 for f in rounds[-1].values()), rounds[-1]
+        at += timedelta(seconds=ceiling)
+        assert await bus.promote_due(now=at) == len(ids)
+    same, other = rounds[0], rounds[2]
+    assert all(abs(same[i] - rounds[1][i]) < 1e-4 for i in ids), "one seed, other delays"
+    assert len({round(f, 3) for f in same.values()}) == len(ids), "a batch came back as a herd"
+    assert any(abs(same[i] - other[i]) > 1e-3 for i in ids), "another seed, the same delays"
+
+
 async def test_a_worker_of_the_bus_api_alone_gets_its_retries_back(bus: Bus) -> None:
     """Promotion was a runner's maintenance alone: with no runner anywhere, a failed attempt's
     message (and work enqueued for later) stayed out of every claim after its backoff."""
