@@ -45,6 +45,7 @@ from appliance.domain.inference import (
     QueueFull,
     Tier,
 )
+from appliance.inference.build_probe import probe_build
 from appliance.inference.cache import VerificationError, file_stamp, sha256_file
 from appliance.inference.energy_guard import EnergyGuard
 from appliance.inference.lockfile import ModelEntry
@@ -755,6 +756,13 @@ class TierPool:
             }
 
 
+def _probe(specs: list[TierSpec]) -> None:
+    """The llama.cpp build must run on this CPU (build_probe), tried on the smallest model."""
+    files = [s.path for s in specs if s.workers > 0 and s.path.is_file()]
+    if files:
+        probe_build(min(files, key=lambda p: p.stat().st_size))
+
+
 class InferencePool:
     """Every tier's pool; implements the bus's InferenceService port."""
 
@@ -787,6 +795,7 @@ class InferencePool:
     async def start(self, timeout: float = 300.0) -> None:
         """Load every tier's workers (in their own threads) and wait until each is up or failed."""
         self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(_probe, [t.spec for t in self._tiers.values()])
         for tier in self._tiers.values():
             tier.start()
         await asyncio.to_thread(self._wait_loaded, timeout)
@@ -820,6 +829,7 @@ class InferencePool:
         if current is not None:
             # Its workers all failed: replace them.
             await self._close_tier(self._tiers.pop(spec.tier))
+        await asyncio.to_thread(_probe, [spec])
         threads = spec.n_threads or max(1, (os.cpu_count() or 1) // max(1, spec.workers))
         pool = TierPool(spec, threads, self._changed, self.meter)
         self._tiers[spec.tier] = pool

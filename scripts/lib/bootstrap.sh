@@ -12,10 +12,12 @@ CACHE="${APPLIANCE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/appliance}"
 PY="${APPLIANCE_PYTHON:-python3.11}"
 
 # The portable llama.cpp build (FACTS.md): no -march=native, no AMX path; the image runs on other boxes.
+# AVX2 is the ceiling, not AVX-512: a build with GGML_AVX512=ON dies with SIGILL on the first call
+# on a CPU without it (an AMD EPYC of this fleet), and the runtime's probe refuses such a build.
 # GGML_OPENMP=OFF: ggml's own thread pool instead of OpenMP. With OpenMP, two threads of one
 # process that both run multi-threaded calls (two pool workers) slow each other ~3x; without it
 # they do not, and single calls are as fast (bench/RESULTS.md, "inference").
-LLAMA_CMAKE_ARGS="${APPLIANCE_LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF}"
+LLAMA_CMAKE_ARGS="${APPLIANCE_LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF}"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
