@@ -13,7 +13,7 @@ PY="${APPLIANCE_PYTHON:-python3.11}"
 
 # The portable llama.cpp build (FACTS.md): no -march=native, no AMX path; the image runs on other boxes.
 # AVX2 is the ceiling, not AVX-512: a build with GGML_AVX512=ON dies with SIGILL on the first call
-# on a CPU without it (an AMD EPYC of this fleet), and the runtime's probe refuses such a build.
+# on a CPU without it (many AMD EPYC parts), and the runtime's probe refuses such a build.
 # GGML_OPENMP=OFF: ggml's own thread pool instead of OpenMP. With OpenMP, two threads of one
 # process that both run multi-threaded calls (two pool workers) slow each other ~3x; without it
 # they do not, and single calls are as fast (bench/RESULTS.md, "inference").
