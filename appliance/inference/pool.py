@@ -421,7 +421,13 @@ class _Worker(threading.Thread):
         that a cancel, the call's timeout or its energy guard can stop it between two chunks:
         inside llama.cpp, one evaluation of thousands of tokens cannot be stopped. The
         completion then finds them cached (llama-cpp-python reuses the longest evaluated
-        prefix) and evaluates only the rest. A short prompt goes straight to the completion."""
+        prefix) and evaluates only the rest.
+
+        A short prompt is evaluated so too, in one chunk, never inside the completion: the
+        last token's logits then always come from that token evaluated alone, as they do when
+        a repeat of the call finds its prompt cached. Evaluated within the prompt's batch on a
+        fresh call, they differed in the last bits (other kernels), and a greedy call's text
+        forked from its own repeat's after a dozen tokens (seen on an AVX2 build)."""
         # On a GPU, smaller batches than llama.cpp's own would slow the evaluation down.
         chunk = PROMPT_CHUNK if self.n_gpu_layers == 0 else max(PROMPT_CHUNK, llama.n_batch)
         cached = llama.n_tokens
@@ -430,9 +436,11 @@ class _Worker(threading.Thread):
         prefix = 0
         while prefix < min(cached, upto) and evaluated[prefix] == tokens[prefix]:
             prefix += 1
-        if upto - prefix <= chunk:
+        if upto <= prefix:
             return
-        energy = _guard(job, started)
+        # A short prompt's one chunk is not metered apart: the guard's first reading is then,
+        # as before, the one after the prompt (what it takes the next token to cost at most).
+        energy = _guard(job, started) if upto - prefix > chunk else None
         if prefix < cached and not llama._ctx.kv_cache_seq_rm(-1, prefix, -1):
             # A recurrent model (Mamba, RWKV, hybrids) keeps no partial state: start afresh,
             # as the completion itself would.

@@ -98,6 +98,14 @@ def ramble(max_tokens: int = 48, stop: tuple[str, ...] = ()) -> InferenceRequest
     )
 
 
+async def test_a_greedy_call_repeated_gives_the_same_text(mechanical1: InferencePool) -> None:
+    # The first call meets an empty cache, its repeats find their prompt cached: the last
+    # prompt token's logits must be computed alike either way. Computed within the prompt's
+    # batch on the first call, they forked its text from its repeats' after a dozen tokens.
+    texts = [(await mechanical1.infer(ramble(64), Tier.MECHANICAL)).text for _ in range(3)]
+    assert texts[0] and texts[0] == texts[1] == texts[2], texts
+
+
 async def test_two_workers_serve_in_parallel_and_a_third_waits(
     mechanical2: InferencePool,
 ) -> None:
