@@ -88,12 +88,18 @@ def test_a_model_that_cannot_drop_part_of_its_state_starts_afresh() -> None:
     assert llama.input_ids[:399] == PROMPT[:399]
 
 
-def test_a_short_prompt_or_a_cached_one_goes_straight_to_the_completion() -> None:
+def test_a_short_prompt_is_evaluated_in_one_chunk_and_a_cached_one_not_at_all() -> None:
+    # Never inside the completion: it then evaluates the last token alone, as it does when a
+    # repeat finds the prompt cached, so both compute its logits alike (the same greedy text).
     short = FakeLlama([])
     evaluate(short, PROMPT[: PROMPT_CHUNK + 1])
-    cached = FakeLlama(PROMPT[:300])
-    evaluate(cached, PROMPT)  # 99 new tokens: one chunk's worth, left to the completion
-    assert short.evals == cached.evals == []
+    assert short.evals == [(0, PROMPT_CHUNK)]
+    partly = FakeLlama(PROMPT[:300])
+    evaluate(partly, PROMPT)  # 99 new tokens: one chunk
+    assert partly.evals == [(300, 99)]
+    cached = FakeLlama([*PROMPT, 5, 6])  # the prompt and a former answer's tokens
+    evaluate(cached, PROMPT)
+    assert cached.evals == [] and cached.n_tokens == len(PROMPT) + 2
 
 
 def test_a_cancel_stops_it_between_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
