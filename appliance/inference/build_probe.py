@@ -62,8 +62,9 @@ def judge(argv: list[str], *, timeout: float = PROBE_TIMEOUT_S) -> None:
     if done.returncode >= 0:
         if done.returncode:
             # Not a crash: the pool's own load meets it too and names it per worker.
-            tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
-            log.warning("the llama.cpp build probe failed (%s); the load will say why", *tail)
+            lines = done.stderr.decode(errors="replace").strip().splitlines()
+            last = lines[-1] if lines else f"exit status {done.returncode}, no output"
+            log.warning("the llama.cpp build probe failed (%s); the load will say why", last)
         return
     try:
         name = signal.Signals(-done.returncode).name
