@@ -1424,9 +1424,10 @@ def _reading(report: Report) -> list[str]:
         )
         if bus_locks >= LOCK_SHARE_NOTED:
             line += (
-                " Completions count their tenant's ended leases up in one counter row"
-                " (`tenant_released`) and hold it until their commit is flushed, and claims"
-                " lock their tenant's `tenant_runtime` row: one tenant's statements queue there."
+                " Claims lock their tenant's `tenant_runtime` row until they commit: one"
+                " tenant's claims queue there (completions count their ended leases up in"
+                " one of the tenant's 8 `tenant_released_shards`, one no other transaction"
+                " holds, so they share WAL flushes instead of queueing)."
             )
         out.append(line)
     return out

@@ -494,7 +494,7 @@ class BusSide:
             "TRUNCATE appliance.agent_messages, appliance.idempotency_keys,"
             " appliance.message_transitions",
             "UPDATE appliance.tenant_runtime SET claimed = 0, last_claimed_at = NULL",
-            "UPDATE appliance.tenant_released SET released = 0",
+            "UPDATE appliance.tenant_released_shards SET released = 0",
             "CHECKPOINT",
         )
 

@@ -186,25 +186,45 @@ BEGIN
           AND r.tenant = ANY (ARRAY(SELECT d.tenant FROM delta d));
     END IF;
     IF seen.ended > 0 THEN
-        -- Leases ended count up tenant_released.released (a row no claim locks), in tenant
-        -- order too.
+        -- Leases ended count up one of the tenant's tenant_released_shards (rows no claim
+        -- locks). Any shard will do, so a statement takes one that no other transaction holds
+        -- (SKIP LOCKED: never waits), this session's own first (its backend's shard), so that
+        -- concurrent acknowledgements of one tenant no longer queue behind each other's WAL
+        -- flush. Only when every shard of a tenant is held does it wait, for its own shard,
+        -- in tenant order (so that two statements touching the same tenants never deadlock).
+        -- The shards are probed by key through arrays (= ANY): with nested loops off, a join
+        -- would read the whole table.
         WITH delta AS (
             SELECT n.tenant, count(*) AS ended
             FROM new_rows n JOIN old_rows o ON o.id = n.id
             WHERE o.status = 'running' AND n.status <> 'running'
             GROUP BY n.tenant
         ),
-        gave AS (
-            SELECT x.tenant FROM tenant_released x
-            WHERE x.tenant = ANY (ARRAY(SELECT d.tenant FROM delta d))
+        picked AS MATERIALIZED (
+            SELECT d.tenant, d.ended,
+                   (SELECT x.shard FROM tenant_released_shards x
+                    WHERE x.tenant = d.tenant
+                    ORDER BY (x.shard + 8 - pg_backend_pid() % 8) % 8
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED) AS free
+            FROM delta d
+        ),
+        waited AS (
+            -- Tenants whose every shard another transaction holds (none, usually): this
+            -- session's own shard, waited for in tenant order before anything is counted.
+            SELECT x.tenant FROM tenant_released_shards x
+            WHERE x.tenant = ANY (ARRAY(SELECT p.tenant FROM picked p WHERE p.free IS NULL))
+              AND x.shard = pg_backend_pid() % 8
             ORDER BY x.tenant
             FOR UPDATE
         )
-        UPDATE tenant_released x
-        SET released = x.released + delta.ended
-        FROM delta JOIN gave ON gave.tenant = delta.tenant
-        WHERE x.tenant = delta.tenant
-          AND x.tenant = ANY (ARRAY(SELECT d.tenant FROM delta d));
+        UPDATE tenant_released_shards x
+        SET released = x.released + picked.ended
+        FROM picked
+        WHERE x.tenant = picked.tenant
+          AND x.shard = coalesce(picked.free, pg_backend_pid() % 8)
+          AND x.tenant = ANY (ARRAY(SELECT p.tenant FROM picked p))
+          AND (SELECT count(*) FROM waited) >= 0;  -- after the waits above
     END IF;
 
     IF seen.done > 0 THEN
@@ -1543,7 +1563,9 @@ CREATE FUNCTION appliance.tenants_runtime_row() RETURNS trigger
     AS $$
 BEGIN
     INSERT INTO tenant_runtime (tenant) SELECT n.name FROM new_rows n ON CONFLICT DO NOTHING;
-    INSERT INTO tenant_released (tenant) SELECT n.name FROM new_rows n ON CONFLICT DO NOTHING;
+    INSERT INTO tenant_released_shards (tenant, shard)
+    SELECT n.name, s.shard FROM new_rows n CROSS JOIN generate_series(0, 7) AS s(shard)
+    ON CONFLICT DO NOTHING;
     RETURN NULL;
 END
 $$;
@@ -2079,16 +2101,18 @@ CREATE TABLE appliance.stage_routes (
 ALTER TABLE appliance.stage_routes OWNER TO appliance_owner;
 
 --
--- Name: tenant_released; Type: TABLE; Schema: appliance; Owner: appliance_owner
+-- Name: tenant_released_shards; Type: TABLE; Schema: appliance; Owner: appliance_owner
 --
 
-CREATE TABLE appliance.tenant_released (
+CREATE TABLE appliance.tenant_released_shards (
     tenant text NOT NULL,
     released bigint DEFAULT 0 NOT NULL,
-    CONSTRAINT tenant_released_released_check CHECK ((released >= 0))
+    shard smallint NOT NULL,
+    CONSTRAINT tenant_released_shards_released_check CHECK ((released >= 0)),
+    CONSTRAINT tenant_released_shards_shard_check CHECK (((shard >= 0) AND (shard <= 7)))
 );
 
-ALTER TABLE appliance.tenant_released OWNER TO appliance_owner;
+ALTER TABLE appliance.tenant_released_shards OWNER TO appliance_owner;
 
 --
 -- Name: tenant_runtime; Type: TABLE; Schema: appliance; Owner: appliance_owner
@@ -2102,6 +2126,20 @@ CREATE TABLE appliance.tenant_runtime (
 );
 
 ALTER TABLE appliance.tenant_runtime OWNER TO appliance_owner;
+
+--
+-- Name: tenant_released; Type: VIEW; Schema: appliance; Owner: appliance_owner
+--
+
+CREATE VIEW appliance.tenant_released AS
+ SELECT r.tenant,
+    x.released
+   FROM (appliance.tenant_runtime r
+     CROSS JOIN LATERAL ( SELECT (COALESCE(sum(s.released), (0)::numeric))::bigint AS released
+           FROM appliance.tenant_released_shards s
+          WHERE (s.tenant = r.tenant)) x);
+
+ALTER TABLE appliance.tenant_released OWNER TO appliance_owner;
 
 --
 -- Name: tenant_running; Type: VIEW; Schema: appliance; Owner: appliance_owner
@@ -2278,11 +2316,11 @@ ALTER TABLE ONLY appliance.stage_routes
     ADD CONSTRAINT stage_routes_pkey PRIMARY KEY (pipeline, stage, outcome);
 
 --
--- Name: tenant_released tenant_released_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
+-- Name: tenant_released_shards tenant_released_shards_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
 --
 
-ALTER TABLE ONLY appliance.tenant_released
-    ADD CONSTRAINT tenant_released_pkey PRIMARY KEY (tenant);
+ALTER TABLE ONLY appliance.tenant_released_shards
+    ADD CONSTRAINT tenant_released_shards_pkey PRIMARY KEY (tenant, shard);
 
 --
 -- Name: tenant_runtime tenant_runtime_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -2539,11 +2577,11 @@ ALTER TABLE ONLY appliance.stage_routes
     ADD CONSTRAINT stage_routes_pipeline_stage_fkey FOREIGN KEY (pipeline, stage) REFERENCES appliance.pipeline_stages(pipeline, stage) ON DELETE CASCADE;
 
 --
--- Name: tenant_released tenant_released_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
+-- Name: tenant_released_shards tenant_released_shards_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
 --
 
-ALTER TABLE ONLY appliance.tenant_released
-    ADD CONSTRAINT tenant_released_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name) ON DELETE CASCADE;
+ALTER TABLE ONLY appliance.tenant_released_shards
+    ADD CONSTRAINT tenant_released_shards_tenant_fkey FOREIGN KEY (tenant) REFERENCES appliance.tenants(name) ON DELETE CASCADE;
 
 --
 -- Name: tenant_runtime tenant_runtime_tenant_fkey; Type: FK CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -3036,16 +3074,22 @@ GRANT SELECT ON TABLE appliance.stage_routes TO appliance_app;
 GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE appliance.stage_routes TO appliance_system;
 
 --
--- Name: TABLE tenant_released; Type: ACL; Schema: appliance; Owner: appliance_owner
+-- Name: TABLE tenant_released_shards; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
-GRANT SELECT ON TABLE appliance.tenant_released TO appliance_system;
+GRANT SELECT ON TABLE appliance.tenant_released_shards TO appliance_system;
 
 --
 -- Name: TABLE tenant_runtime; Type: ACL; Schema: appliance; Owner: appliance_owner
 --
 
 GRANT SELECT,UPDATE ON TABLE appliance.tenant_runtime TO appliance_system;
+
+--
+-- Name: TABLE tenant_released; Type: ACL; Schema: appliance; Owner: appliance_owner
+--
+
+GRANT SELECT ON TABLE appliance.tenant_released TO appliance_system;
 
 --
 -- Name: TABLE tenant_running; Type: ACL; Schema: appliance; Owner: appliance_owner

@@ -251,3 +251,34 @@ def test_a_migration_lock_held_too_long_is_named_not_waited_for_forever(empty_db
         assert conn.execute("SELECT to_regnamespace('appliance')").fetchone() == (None,)
     migrate(empty_db)  # it applies once the lock is free
     assert _applied(empty_db) != []
+
+
+def test_leases_ended_before_the_counter_shards_stay_counted(empty_db: str, tmp_path: Path) -> None:
+    # Migration 0043 splits each tenant's one count of ended leases into 8 shards: a database
+    # upgraded with leases running keeps their count (claimed - released) exactly.
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    for path in (copy / "migrations").glob("*.sql"):
+        if int(path.name[:4]) >= 43:
+            path.unlink()
+    migrate(empty_db, copy)
+    with psycopg.connect(empty_db) as conn:
+        conn.execute("INSERT INTO appliance.tenants (name) VALUES ('acme'), ('globex')")
+        conn.execute("UPDATE appliance.tenant_runtime SET claimed = 7 WHERE tenant = 'acme'")
+        conn.execute("UPDATE appliance.tenant_released SET released = 5 WHERE tenant = 'acme'")
+    migrate(empty_db)
+    with psycopg.connect(empty_db) as conn:
+        running = conn.execute(
+            "SELECT tenant, running FROM appliance.tenant_running ORDER BY tenant"
+        ).fetchall()
+        shards = conn.execute(
+            "SELECT tenant, count(*), sum(released) FROM appliance.tenant_released_shards"
+            " GROUP BY tenant ORDER BY tenant"
+        ).fetchall()
+        conn.execute("INSERT INTO appliance.tenants (name) VALUES ('later')")
+        added = conn.execute(
+            "SELECT count(*) FROM appliance.tenant_released_shards WHERE tenant = 'later'"
+        ).fetchone()
+    assert running == [("acme", 2), ("globex", 0)]
+    assert shards == [("acme", 8, 5), ("globex", 8, 0)]
+    assert added == (8,)

@@ -4,6 +4,7 @@ schedules and the claim's cost with a large history. Time is injected, nothing s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from datetime import UTC, datetime, timedelta
@@ -386,6 +387,76 @@ async def test_claims_and_acks_of_one_tenant_never_wait_for_each_other(
                 await conn.execute("SELECT running FROM tenant_running WHERE tenant = 'acme'")
             ).fetchone()
         assert row is not None and row["running"] == 2
+    finally:
+        await other.close()
+
+
+async def test_acknowledgements_of_one_tenant_do_not_wait_for_each_others_commit(
+    fresh_db: Endpoints, rstore: PgRunnerStore, db: Database
+) -> None:
+    # Each acknowledgement counts its tenant's ended leases up in one of the tenant's 8 shards,
+    # one no other transaction holds (migration 0043): 8 uncommitted acknowledgements of one
+    # tenant (as while their WAL flushes are in progress) all go through at once; a 9th waits
+    # for its own shard, and only for that one; every count lands.
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, str(i)) for i in range(9)], now=T0)
+    taken = await claim(rstore, limit=9)
+    assert len(taken) == 9
+    other = Database(fresh_db, min_size=9, max_size=9)
+    await other.open()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            conns = [
+                await stack.enter_async_context(other.system_pool.connection()) for _ in range(9)
+            ]
+            for conn in conns:
+                await conn.execute("BEGIN")
+
+            async def ack(conn: Any, message: Any) -> list[bool]:
+                cur = await conn.execute(
+                    q("message_complete"),
+                    complete_params([Completion(message.lease)], actor="w", now=T0),
+                )
+                return [r["applied"] for r in await cur.fetchall()]
+
+            for conn, message in zip(conns[:8], taken[:8], strict=True):
+                # With one counter row per tenant, the second of these waited for the first
+                # one's commit (and gave up after the acknowledgement's lock timeout).
+                assert await asyncio.wait_for(ack(conn, message), 10) == [True]
+            last = asyncio.create_task(ack(conns[8], taken[8]))
+            waiter = conns[8].info.backend_pid
+            holder = None
+            async with db.system_conn() as watch:
+                for _ in range(200):
+                    row = await (
+                        await watch.execute(
+                            "SELECT pg_blocking_pids(%s) AS pids", (waiter,), prepare=False
+                        )
+                    ).fetchone()
+                    if row is not None and row["pids"]:
+                        (holder,) = row["pids"]
+                        break
+                    await asyncio.sleep(0.05)
+            assert holder is not None, "the 9th acknowledgement found a free shard"
+            assert not last.done()
+            (blocking,) = [c for c in conns[:8] if c.info.backend_pid == holder]
+            await blocking.execute("COMMIT")
+            assert await asyncio.wait_for(last, 10) == [True]
+            for conn in conns:
+                if conn is not blocking:
+                    await conn.execute("COMMIT")
+        async with db.system_conn() as conn:
+            running = await (
+                await conn.execute("SELECT running FROM tenant_running WHERE tenant = 'acme'")
+            ).fetchone()
+            shards = await (
+                await conn.execute(
+                    "SELECT count(*) FILTER (WHERE released > 0) AS used, sum(released) AS total"
+                    " FROM tenant_released_shards WHERE tenant = 'acme'"
+                )
+            ).fetchone()
+        assert running is not None and running["running"] == 0
+        assert shards is not None and (shards["used"], shards["total"]) == (8, 9)
     finally:
         await other.close()
 

@@ -153,7 +153,7 @@ class EnvelopeMachine(RuleBasedStateMachine):
             )
             conn.execute("ALTER SEQUENCE appliance.agent_messages_lease_token_seq RESTART")
             conn.execute("UPDATE appliance.tenant_runtime SET claimed = 0, last_claimed_at = NULL")
-            conn.execute("UPDATE appliance.tenant_released SET released = 0")
+            conn.execute("UPDATE appliance.tenant_released_shards SET released = 0")
         self.loop = asyncio.new_event_loop()
         self.db = Database(endpoints, min_size=1, max_size=2)
         try:

@@ -478,6 +478,7 @@ async def test_a_tenant_reads_no_other_tenants_counters_caps_or_name(
     for table in (
         "tenant_runtime",
         "tenant_released",
+        "tenant_released_shards",
         "tenant_running",
         "spend_caps",
         "spend_months",
