@@ -2229,7 +2229,7 @@ ALTER TABLE ONLY appliance.message_status_transitions
 --
 
 ALTER TABLE ONLY appliance.message_transitions
-    ADD CONSTRAINT message_transitions_pkey PRIMARY KEY (id);
+    ADD CONSTRAINT message_transitions_pkey PRIMARY KEY (message_id, id);
 
 --
 -- Name: pipeline_stages pipeline_stages_pkey; Type: CONSTRAINT; Schema: appliance; Owner: appliance_owner
@@ -2444,12 +2444,6 @@ CREATE INDEX inference_calls_message_idx ON appliance.inference_calls USING btre
 --
 
 CREATE INDEX message_transitions_lease_expired_at_idx ON appliance.message_transitions USING btree (at) WHERE (reason = 'lease_expired'::text);
-
---
--- Name: message_transitions_message_id_idx; Type: INDEX; Schema: appliance; Owner: appliance_owner
---
-
-CREATE INDEX message_transitions_message_id_idx ON appliance.message_transitions USING btree (message_id, id);
 
 --
 -- Name: spend_ledger_amortisation_once; Type: INDEX; Schema: appliance; Owner: appliance_owner
