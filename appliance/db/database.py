@@ -124,7 +124,7 @@ def _keepalives(conninfo: str) -> dict[str, Any]:
 _JSON = msgspec.json.Decoder()
 
 
-def load_json(data: bytes) -> Any:
+def load_json(data: str | bytes) -> Any:
     """A json/jsonb value from the server as Python (what json.loads returns).
 
     The runtime connections read every claimed message's context, every result and every hold's
