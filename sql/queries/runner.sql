@@ -33,7 +33,9 @@ eligible AS MATERIALIZED (
     SELECT r.tenant,
            coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released)
                + coalesce(f.n, 0) AS room,
-           r.last_claimed_at
+           r.last_claimed_at,
+           -- For `counters`: the limit, and the leases ended plus the caller's finished ones.
+           coalesce(t.max_running, %(tenant_limit)s) AS cap, x.released + coalesce(f.n, 0) AS freed
     FROM nondurable, tenant_runtime r
     JOIN tenant_released x ON x.tenant = r.tenant
     JOIN tenants t ON t.name = r.tenant
@@ -97,17 +99,13 @@ picked AS MATERIALIZED (
 counters AS MATERIALIZED (
     -- The serialisation point: lock the claim counters of the tenants picked, in tenant order
     -- (no deadlocks), and read them as of now (a lock waits for the latest). Leases ended, and
-    -- the caller's finished attempts, are read from this statement's snapshot, unlocked
-    -- (migration 0008): both as of the same moment, so an attempt is discounted exactly when
+    -- the caller's finished attempts, are `eligible`'s: read from this statement's snapshot,
+    -- unlocked (migration 0008), both as of the same moment, so an attempt is discounted exactly when
     -- its end is not yet counted; one ended since then is not counted yet, which can only make
     -- the room smaller, never exceed a limit.
-    SELECT r.tenant,
-           coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released)
-               + coalesce(f.n, 0) AS room
+    SELECT r.tenant, e.cap - r.claimed + e.freed AS room
     FROM tenant_runtime r
-    JOIN tenant_released x ON x.tenant = r.tenant
-    JOIN tenants t ON t.name = r.tenant
-    LEFT JOIN finished f ON f.tenant = r.tenant
+    JOIN eligible e ON e.tenant = r.tenant
     WHERE r.tenant IN (SELECT tenant FROM picked)
     ORDER BY r.tenant
     FOR UPDATE OF r
