@@ -29,7 +29,8 @@ finished AS MATERIALIZED (
 ),
 eligible AS MATERIALIZED (
     -- A snapshot read: which tenants have claimable work and room. Nothing is locked here, so
-    -- concurrent claimers of one tenant all proceed; the limit is enforced below.
+    -- concurrent claimers of one tenant all proceed; the limit is enforced below. The view
+    -- tenant_released sums a tenant's 8 shards by key: one probe per tenant read (0043).
     SELECT r.tenant,
            coalesce(t.max_running, %(tenant_limit)s) - (r.claimed - x.released)
                + coalesce(f.n, 0) AS room,
@@ -100,9 +101,9 @@ counters AS MATERIALIZED (
     -- The serialisation point: lock the claim counters of the tenants picked, in tenant order
     -- (no deadlocks), and read them as of now (a lock waits for the latest). Leases ended, and
     -- the caller's finished attempts, are `eligible`'s: read from this statement's snapshot,
-    -- unlocked (migration 0008), both as of the same moment, so an attempt is discounted exactly when
-    -- its end is not yet counted; one ended since then is not counted yet, which can only make
-    -- the room smaller, never exceed a limit.
+    -- unlocked (migration 0008), both as of the same moment, so an attempt is discounted
+    -- exactly when its end is not yet counted; one ended since then is not counted yet, which
+    -- can only make the room smaller, never exceed a limit.
     SELECT r.tenant, e.cap - r.claimed + e.freed AS room
     FROM tenant_runtime r
     JOIN eligible e ON e.tenant = r.tenant
