@@ -20,6 +20,7 @@ from appliance.db.database import Database
 from appliance.db.message_store import complete_params
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
+from appliance.domain.envelope import LeaseRef
 from appliance.domain.inference import Tier
 from appliance.domain.ports import Completion
 from tests.db.plans import (
@@ -209,14 +210,16 @@ async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
     # The trigger's joins of old_rows with new_rows are planned once per session, for the first
     # statement's row count. A session whose first update wrote one row must not compare every
     # row with every row in a later update of 2,000; and the tenants' counter rows are still
-    # found by key, however many tenants there are.
+    # found by key, however many tenants there are: by the statements for any number of
+    # tenants (the 2,000 are of two tenants) and by those for one tenant (migration 0045).
     rstore = PgRunnerStore(quiet_db)
     await admin_sql(
         quiet_db,
         "INSERT INTO appliance.tenants (name) SELECT 't' || g FROM generate_series(1, 5000) g",
         "ANALYZE appliance.tenants, appliance.tenant_runtime, appliance.tenant_released_shards",
     )
-    await backlog(quiet_db, 2100)
+    await backlog(quiet_db, 1100)
+    await backlog(quiet_db, 1100, tenant="t1")
     (first,) = await take(rstore, 1)
     async with explained_session(quiet_db.endpoints.admin) as (conn, plans):
         ack = q("message_complete")
@@ -226,15 +229,43 @@ async def test_the_update_trigger_joins_a_large_statement_in_linear_time(
         plans.clear()
         await conn.execute(ack, complete_params([Completion(x) for x in many], actor="t", now=None))
         await conn.execute(q("message_claim_lane"), claim_values())
-    joins = plans_of(plans, "JOIN old_rows o ON o.id = n.id")
-    assert len(joins) >= 5  # the counts, the log, the leases ended; then the claim's
+        general = list(plans)
+        plans.clear()
+        # One tenant's claim and acknowledgement.
+        claimed = conn.cursor(row_factory=dict_row)
+        await claimed.execute(q("message_claim_lane"), claim_values(tenant="acme"))
+        rows = [r for r in await claimed.fetchall() if r["id"] is not None]
+        assert {r["tenant"] for r in rows} == {"acme"}
+        mine = [Completion(LeaseRef(r["id"], r["lease_token"])) for r in rows]
+        await conn.execute(ack, complete_params(mine, actor="t", now=None))
+        single = list(plans)
+    joins = plans_of(general, "JOIN old_rows o ON o.id = n.id")
+    assert len(joins) >= 7  # the counts, the log, leases ended, the hand-off; the claim's
+    # Leases taken and ended: several tenants' by the general statements, one tenant's by key.
+    assert len(plans_of(general, "FROM delta JOIN took")) == 1
+    assert len(plans_of(general, "waited AS")) == 1
+    assert not plans_of(general, "seen.first_tenant")
+    assert len(plans_of(single, "seen.first_tenant")) == 2
+    assert not plans_of(single, "FROM delta JOIN took") + plans_of(single, "waited AS")
     for plan in joins:
         loops = [n for n in plan_nodes(plan["Plan"]) if n["Node Type"] == "Nested Loop"]
         assert loops == [], plan["Query Text"]
+    mine_counted = plans_of(single, "seen.first_tenant") + plans_of(single, "JOIN old_rows")
+    for tenants, plan in [(2, p) for p in joins] + [(1, p) for p in mine_counted]:
         # By key: a tenant's counter row; its 8 shards of leases ended, read by tenant (to
         # pick a free one, to count it up): never the other tenants' rows.
         for counters, bound in (("tenant_runtime", 4), ("tenant_released_shards", 2 * 8)):
-            assert hot_reads(plan, counters) <= bound, (counters, plan["Query Text"])
+            assert hot_reads(plan, counters) <= tenants * bound, (counters, plan["Query Text"])
+    # Counted right by either kind: each tenant's running leases are its running messages.
+    async with await psycopg.AsyncConnection.connect(quiet_db.endpoints.admin) as conn:
+        cur = await conn.execute(
+            "SELECT r.tenant, r.running, (SELECT count(*) FROM appliance.agent_messages m"
+            " WHERE m.tenant = r.tenant AND m.status = 'running')"
+            " FROM appliance.tenant_running r WHERE r.tenant IN ('acme', 't1') ORDER BY 1"
+        )
+        counted = await cur.fetchall()
+    assert [(t, running) for t, running, _ in counted] == [(t, n) for t, _, n in counted]
+    assert all(n > 0 for _, _, n in counted)
 
 
 KEYS = 200_000
