@@ -62,30 +62,41 @@ CREATE FUNCTION appliance.agent_messages_log_insert() RETURNS trigger
     SET search_path TO 'appliance', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
+    seen record;
     unknown text;
-    bad bigint;
 BEGIN
-    SELECT n.tenant INTO unknown FROM new_rows n
-    WHERE NOT EXISTS (SELECT FROM tenants t WHERE t.name = n.tenant) LIMIT 1;
-    IF FOUND THEN
+    -- One read of the new rows for both checks: the first and last tenant (a statement of one
+    -- tenant, the usual enqueue, has its tenant checked by key), and any row that does not
+    -- enter the envelope as enqueue_requests writes it. A row inserted running would count up
+    -- its tenant's released leases when it ended, never its claimed ones, lifting the tenant's
+    -- concurrency limit; an id ahead of the sequence would make every enqueue that later draws
+    -- it fail.
+    SELECT min(n.tenant) AS first_tenant, max(n.tenant) AS last_tenant,
+           min(n.id) FILTER (
+               WHERE n.status <> 'pending' OR n.attempts <> 0 OR n.lease_token IS NOT NULL
+                  OR n.lease_expires_at IS NOT NULL
+                  -- The last id given out: last_value, or one before it while is_called is
+                  -- false (a fresh or restarted sequence). Exact with the sequence's CACHE 1.
+                  OR n.id > (SELECT CASE WHEN s.is_called THEN s.last_value
+                                         ELSE s.last_value - 1 END
+                             FROM agent_messages_id_seq s)) AS bad
+    INTO seen
+    FROM new_rows n;
+    IF seen.first_tenant = seen.last_tenant THEN
+        IF NOT EXISTS (SELECT FROM tenants t WHERE t.name = seen.first_tenant) THEN
+            unknown := seen.first_tenant;
+        END IF;
+    ELSE
+        SELECT n.tenant INTO unknown FROM new_rows n
+        WHERE NOT EXISTS (SELECT FROM tenants t WHERE t.name = n.tenant) LIMIT 1;
+    END IF;
+    IF unknown IS NOT NULL THEN
         RAISE EXCEPTION 'unknown tenant %', unknown
             USING ERRCODE = 'foreign_key_violation', DETAIL = unknown;
     END IF;
-    -- Work enters the envelope as enqueue_requests writes it. A row inserted running would
-    -- count up its tenant's released leases when it ended, never its claimed ones, lifting the
-    -- tenant's concurrency limit; an id ahead of the sequence would make every enqueue that
-    -- later draws it fail.
-    SELECT n.id INTO bad FROM new_rows n
-    WHERE n.status <> 'pending' OR n.attempts <> 0 OR n.lease_token IS NOT NULL
-       OR n.lease_expires_at IS NOT NULL
-       -- The last id given out: last_value, or one before it while is_called is false (a
-       -- fresh or restarted sequence). Exact with the sequence's CACHE 1.
-       OR n.id > (SELECT CASE WHEN s.is_called THEN s.last_value ELSE s.last_value - 1 END
-                  FROM agent_messages_id_seq s)
-    LIMIT 1;
-    IF FOUND THEN
+    IF seen.bad IS NOT NULL THEN
         RAISE EXCEPTION 'message % must enter the envelope pending, unattempted and unleased,'
-            ' with an id drawn from agent_messages_id_seq', bad
+            ' with an id drawn from agent_messages_id_seq', seen.bad
             USING ERRCODE = 'check_violation';
     END IF;
     INSERT INTO message_transitions

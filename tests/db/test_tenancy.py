@@ -211,8 +211,16 @@ async def test_messages_always_belong_to_a_known_tenant(
                 " VALUES (nextval('agent_messages_id_seq'), 'nobody', 'p', 's', 'x', '1', 'k',"
                 " 'd', now(), now(), now())"
             )
+        # Rows of several tenants are checked one by one (one tenant's by key: migration 0045).
+        with pytest.raises(psycopg.errors.ForeignKeyViolation, match="unknown tenant nobody"):
+            await conn.execute(
+                "INSERT INTO agent_messages (id, tenant, pipeline, stage, source, source_id,"
+                " idempotency_key, directive, not_before, created_at, updated_at)"
+                " SELECT nextval('agent_messages_id_seq'), t, 'p', 's', 'x', t, 'k' || t,"
+                " 'd', now(), now(), now() FROM unnest(ARRAY['acme', 'nobody', 'globex']) AS t"
+            )
         row = await (
-            await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE tenant = 'nobody'")
+            await conn.execute("SELECT count(*) AS n FROM agent_messages WHERE source = 'x'")
         ).fetchone()
         assert row is not None and row["n"] == 0
     with psycopg.connect(fresh_db.admin, autocommit=True) as admin:
