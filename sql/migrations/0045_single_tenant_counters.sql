@@ -14,10 +14,11 @@
 -- tenants for every row), reading the new rows once for that and for the rows that do not
 -- enter the envelope as enqueue_requests writes them (two statements before).
 --
--- Same-run A/B (bench/bus_throughput.py's measurements, alternating pairs, median of the
--- pairs' ratios): claim(10) + complete_many of 5,000 messages x 21, 1 worker +15 % messages/s,
--- server CPU per message -12 %; 4 workers +9 %, -12 %. Batch enqueue of 50,000 x 15: +2 %,
--- server CPU -3 %.
+-- Same-run A/B (bench/bus_throughput.py's measurements on one server, alternating pairs,
+-- median of the pairs' ratios), claim(10) + complete_many: 1 worker +4 % messages/s (20,000
+-- messages x 9 pairs) and +8 % to +15 % (5,000 x 21, two runs), server CPU per message -4 % to
+-- -12 %; 4 workers +9 % (5,000 x 21) and +12 % (20,000 x 9), server CPU -12 % to -14 %. Batch
+-- enqueue (50,000 x 15): +2 %, server CPU -3 %.
 
 CREATE OR REPLACE FUNCTION agent_messages_log_update() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
