@@ -112,20 +112,16 @@ BEGIN
     END IF;
     IF seen.ended > 0 AND seen.first_tenant = seen.last_tenant THEN
         -- As below for one tenant: a shard no other transaction holds, this session's own
-        -- first; when every shard is held, wait for this session's own.
+        -- first; when every shard is held (none found), this session's own, waited for.
         UPDATE tenant_released_shards x
         SET released = x.released + seen.ended
         WHERE x.tenant = seen.first_tenant
-          AND x.shard = (SELECT f.shard FROM tenant_released_shards f
-                         WHERE f.tenant = seen.first_tenant
-                         ORDER BY (f.shard + 8 - pg_backend_pid() % 8) % 8
-                         LIMIT 1
-                         FOR UPDATE SKIP LOCKED);
-        IF NOT FOUND THEN
-            UPDATE tenant_released_shards x
-            SET released = x.released + seen.ended
-            WHERE x.tenant = seen.first_tenant AND x.shard = pg_backend_pid() % 8;
-        END IF;
+          AND x.shard = coalesce((SELECT f.shard FROM tenant_released_shards f
+                                  WHERE f.tenant = seen.first_tenant
+                                  ORDER BY (f.shard + 8 - pg_backend_pid() % 8) % 8
+                                  LIMIT 1
+                                  FOR UPDATE SKIP LOCKED),
+                                 pg_backend_pid() % 8);
     ELSIF seen.ended > 0 THEN
         -- Leases ended count up one of the tenant's tenant_released_shards (rows no claim
         -- locks). Any shard will do, so a statement takes one that no other transaction holds
