@@ -354,6 +354,78 @@ async def test_tenant_limit_is_never_exceeded_under_concurrent_claimers(
             await d.close()
 
 
+async def test_counters_stay_exact_while_claims_and_acks_of_two_tenants_interleave(
+    fresh_db: Endpoints, rstore: PgRunnerStore, db: Database
+) -> None:
+    # Six connections claim (3 at most, 4 running per tenant) and acknowledge at once, two
+    # tenants' work: claims and acknowledgements of one tenant (the counters by key, 0045) and
+    # of both (the general statements), acknowledgements counted in whichever released shard
+    # is free (0043). In every snapshot a tenant's counter equals its running messages and
+    # never exceeds the limit; at the end both are 0.
+    await PgTenantStore(db).add("beta")
+    bus = Bus(rstore)
+    await bus.enqueue_many(
+        [req(bus, str(i), tenant=("acme", "beta")[i % 2]) for i in range(600)], now=T0
+    )
+    dbs = [Database(fresh_db, max_size=2) for _ in range(6)]
+    for d in dbs:
+        await d.open()
+    done = 0
+    finished = asyncio.Event()
+    seen: list[dict[str, Any]] = []
+    tenants_per_claim: set[int] = set()
+
+    async def worker(store: PgRunnerStore) -> None:
+        nonlocal done
+        while True:
+            taken = await claim(store, limit=3, tenant_limit=4, now=T0)
+            if not taken:
+                if done == 600:
+                    return
+                await asyncio.sleep(0.001)  # others hold the limit's room: theirs end soon
+                continue
+            tenants_per_claim.add(len({m.tenant for m in taken}))
+            await asyncio.sleep(0)  # let another claim or acknowledgement run in between
+            outcomes = await store.complete([Completion(m.lease) for m in taken], now=T0)
+            assert outcomes == [AckOutcome.APPLIED] * len(taken)
+            done += len(taken)
+
+    async def observer() -> None:
+        while True:
+            last_round = finished.is_set()  # then this read sees every acknowledgement
+            async with db.system_conn() as conn:
+                cur = await conn.execute(
+                    "SELECT r.tenant, r.running,"
+                    " (SELECT count(*) FROM agent_messages m"
+                    "  WHERE m.tenant = r.tenant AND m.status = 'running') AS actual"
+                    " FROM tenant_running r ORDER BY r.tenant"
+                )
+                seen.extend(await cur.fetchall())
+            if last_round:
+                return
+            await asyncio.sleep(0)
+
+    watching = asyncio.create_task(observer())
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(*(worker(PgRunnerStore(d)) for d in dbs)), timeout=120
+        )
+    finally:
+        finished.set()
+        await watching
+        for d in dbs:
+            await d.close()
+    assert done == 600
+    assert tenants_per_claim == {1, 2}, "both kinds of statement must have run"
+    assert len(seen) > 20, "the observer saw too little to prove anything"
+    assert any(row["running"] > 0 for row in seen)
+    assert all(row["running"] == row["actual"] <= 4 for row in seen), [
+        row for row in seen if not row["running"] == row["actual"] <= 4
+    ]
+    last = {row["tenant"]: (row["running"], row["actual"]) for row in seen}  # the latest
+    assert last["acme"] == last["beta"] == (0, 0)
+
+
 async def test_claims_and_acks_of_one_tenant_never_wait_for_each_other(
     fresh_db: Endpoints, rstore: PgRunnerStore, db: Database
 ) -> None:
