@@ -289,6 +289,7 @@ class LocalCluster:
         self.extra_conf: dict[str, str] = dict(extra_conf or {})
         self._bindir_override = bindir
         self._bindir: Path | None = None
+        self._lz4: bool | None = None  # whether the server can compress its WAL with lz4
         self._version: str | None = None
         self._user = _server_user()
         self._lock_depth = 0
@@ -683,6 +684,32 @@ class LocalCluster:
         self._chown(tmp)
         os.replace(tmp, path)
 
+    def _wal_compression(self, data_dir: Path) -> str:
+        """lz4 where the server is built with it, else pglz ("on").
+
+        Every page first written after a checkpoint goes to the WAL whole, compressed. pglz
+        took 3-4 % of the server's CPU in a burst of claims after a checkpoint; lz4 compresses
+        several times faster (measured here: updating 20,000 rows after a checkpoint, pglz
+        +35 % over no compression, lz4 the same as none). Not every build has lz4, and an
+        unknown value would stop the server from starting, so the server is asked first
+        (`postgres -C` checks a value and exits; it starts nothing)."""
+        if self._lz4 is None:
+            probe = self._run(
+                [
+                    self._bin("postgres"),
+                    "-D",
+                    data_dir,
+                    "-C",
+                    "wal_compression",
+                    "-c",
+                    "wal_compression=lz4",
+                ],
+                timeout=60,
+                what="postgres -C wal_compression",
+            )
+            self._lz4 = probe.returncode == 0 and probe.stdout.strip() == "lz4"
+        return "lz4" if self._lz4 else "on"
+
     def _write_conf(self, data_dir: Path) -> None:
         """Write appliance.conf and make sure postgresql.conf includes it."""
         # A list of folders: double quotes keep commas/spaces in the path from splitting it.
@@ -699,7 +726,7 @@ class LocalCluster:
             "maintenance_work_mem": "64MB",
             "max_wal_size": "1GB",
             "checkpoint_timeout": "15min",
-            "wal_compression": "on",
+            "wal_compression": self._wal_compression(data_dir),
             # JIT compilation costs more than it saves on the short queue queries we run.
             "jit": "off",
             "random_page_cost": "1.1",

@@ -117,6 +117,10 @@ def test_start_stop_restart(cluster: LocalCluster) -> None:
     assert _query(cluster, "SHOW fsync") == "off"
     assert _query(cluster, "SHOW jit") == "off"
     assert _query(cluster, "SHOW server_encoding") == "UTF8"
+    # Full-page images compressed with lz4 where the server is built with it, else pglz.
+    lz4 = _query(cluster, "SELECT 'lz4' = ANY(enumvals) FROM pg_settings"
+                 " WHERE name = 'wal_compression'")  # fmt: skip
+    assert _query(cluster, "SHOW wal_compression") == ("lz4" if lz4 else "pglz")
     assert (cluster.data_dir / MARKER).is_file()
     if IS_ROOT:
         postgres_uid = pwd.getpwnam("postgres").pw_uid
@@ -415,6 +419,37 @@ def test_a_cluster_runs_on_the_binaries_of_the_version_that_made_it(
     (c.data_dir / "PG_VERSION").write_text("15\n")
     again = LocalCluster(reachable_dir / "state", port=PORT)
     assert again._bin("pg_ctl") == root / "15/bin/pg_ctl"
+
+
+@pytest.mark.parametrize("built_with_lz4", [True, False])
+def test_wal_compression_is_lz4_only_where_the_server_has_it(
+    reachable_dir: Path, built_with_lz4: bool
+) -> None:
+    # A server built without lz4 refuses the value (and would not start with it in its
+    # configuration): the probe's answer decides, and pglz ("on") is the fallback.
+    fake = reachable_dir / "bin"
+    fake.mkdir()
+    for name in ("initdb", "pg_ctl"):
+        (fake / name).write_text("#!/bin/sh\nexit 0\n")
+    answer = (
+        "echo lz4"
+        if built_with_lz4
+        else 'echo \'FATAL:  invalid value for parameter "wal_compression": "lz4"\' >&2; exit 1'
+    )
+    asked = reachable_dir / "asked"
+    asked.touch(mode=0o666)
+    asked.chmod(0o666)  # the server's user (when we are root) runs the probe
+    (fake / "postgres").write_text(f'#!/bin/sh\necho "$*" >> {asked}\n{answer}\n')
+    for name in ("initdb", "pg_ctl", "postgres"):
+        (fake / name).chmod(0o755)
+    c = LocalCluster(reachable_dir / "state", port=PORT, bindir=fake)
+    expected = "lz4" if built_with_lz4 else "on"
+    assert c._wal_compression(reachable_dir) == expected
+    assert c._wal_compression(reachable_dir) == expected
+    # Asked once (then remembered), with the value to check, starting nothing.
+    assert asked.read_text().splitlines() == [
+        f"-D {reachable_dir} -C wal_compression -c wal_compression=lz4"
+    ]
 
 
 def test_stop_of_a_state_dir_that_does_not_exist_says_so_and_makes_nothing(
