@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from appliance import cli_models, cli_spend
+from appliance.bus.core import LIST_MAX
 from appliance.db.database import DATABASE_ERRORS, check_server, client_command, error_text
 from appliance.db.migrate import migrate, schema_problem
 from appliance.db.schema_dump import dump_schema
@@ -28,6 +29,7 @@ from appliance.domain.envelope import (
     WAITING,
     EnqueueRequest,
     Lane,
+    Message,
     MessageStatus,
     check_name,
     decode_context,
@@ -74,6 +76,26 @@ def _parse_time(field: str, text: str | None) -> datetime | None:
 
 
 BIGINT_MAX = 2**63 - 1  # the largest message id the database holds (bigint)
+
+
+def listing_table(messages: Sequence[Message]) -> str:
+    """`bus list` for a person: one line a message, its error's first line cut short."""
+    lines = [
+        f"{'id':>10}  {'status':<18} {'lane':<11} {'pipeline/stage':<28} {'tries':>5}  "
+        f"{'updated (UTC)':<19}  error"
+    ]
+    for m in messages:
+        first = (m.error or "").strip().splitlines()
+        error = first[0][:60] if first else ""
+        updated = m.updated_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+        lines.append(
+            f"{m.id:>10}  {m.status.value:<18} {m.lane.value:<11} "
+            f"{(m.pipeline + '/' + m.stage)[:28]:<28} {f'{m.attempts}/{m.max_attempts}':>5}  "
+            f"{updated:<19}  {error}".rstrip()
+        )
+    if not messages:
+        lines.append("(none)")
+    return "\n".join(lines)
 
 
 def whole_number(low: int, high: int) -> Callable[[str], int]:
@@ -607,6 +629,22 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
             # Visible to this tenant (checked above): its model calls, routing and tokens.
             shown["inference_calls"] = await svc.store.calls_of(args.tenant, args.id)
             print(json.dumps(shown, indent=2, default=str))
+        elif args.bus_action == "list":
+            statuses = [s.strip() for given in args.status for s in given.split(",") if s.strip()]
+            page = await svc.bus.list_messages(
+                args.tenant,
+                statuses=statuses,
+                lane=args.lane,
+                limit=args.limit,
+                before=args.before,
+            )
+            if args.json:
+                rows = [{k: v for k, v in vars(m).items() if k != "extra"} for m in page]
+                print(json.dumps(rows, indent=2, default=str))
+            else:
+                print(listing_table(page))
+                if len(page) == args.limit:
+                    print(f"(more may follow: --before {page[-1].id})", file=sys.stderr)
         elif args.bus_action == "reclaim":
             found = await svc.bus.reclaim_due()
             waits = [due for _, due in found if due is not None]
@@ -845,6 +883,22 @@ def build_parser() -> argparse.ArgumentParser:
     show = bs.add_parser("show", help="a message and its transition log")
     show.add_argument("--tenant", required=True)
     show.add_argument("id", type=whole_number(1, BIGINT_MAX))
+    listing = bs.add_parser("list", help="a tenant's messages, newest first (dead ones, say)")
+    listing.add_argument("--tenant", required=True)
+    listing.add_argument(
+        "--status",
+        action="append",
+        default=[],
+        help="only these statuses (repeat it, or separate them with commas; default: all)",
+    )
+    listing.add_argument("--lane", help="only this lane (default: all)")
+    listing.add_argument("--limit", type=whole_number(1, LIST_MAX), default=50)
+    listing.add_argument(
+        "--before",
+        type=whole_number(1, BIGINT_MAX),
+        help="only ids below this one: the next page, after the last id shown",
+    )
+    listing.add_argument("--json", action="store_true", help="a JSON array, every field")
     bs.add_parser("reclaim", help="run the lease reclaimer once")
     bs.add_parser("expire", help="run the expirer once")
     return parser

@@ -20,11 +20,13 @@ from appliance.domain.envelope import (
     Lane,
     LeaseRef,
     Message,
+    MessageStatus,
     bytes_over,
     check_free_text,
     encode_json,
     lease_duration_ok,
     parse_lane,
+    parse_status,
 )
 from appliance.domain.errors import InvalidInput
 from appliance.domain.ports import (
@@ -60,6 +62,10 @@ class BusConfig:
     # shared statement, and statements in flight per tenant.
     enqueue_group_max: int = 1000
     enqueue_group_inflight: int = 2
+
+
+# The most messages one list call returns: a page for a person to read, not an export.
+LIST_MAX = 1000
 
 
 class Bus:
@@ -282,6 +288,29 @@ class Bus:
 
     async def get(self, tenant: str, message_id: int) -> Message | None:
         return await self.store.get(tenant, message_id)
+
+    async def list_messages(
+        self,
+        tenant: str,
+        *,
+        statuses: Sequence[MessageStatus | str] = (),
+        lane: Lane | str | None = None,
+        limit: int = 50,
+        before: int | None = None,
+    ) -> list[Message]:
+        """The tenant's messages in the hot table, newest first: of `statuses` (all when none),
+        of `lane` (any when None), at most `limit` (1 to LIST_MAX), below id `before` (the next
+        page: pass the last id of the previous one). What an operator looks through, such as
+        the dead work that `redrive` would send back; finished work leaves for the archive."""
+        wanted = list(dict.fromkeys(parse_status(s) for s in statuses))
+        picked = parse_lane(lane) if lane is not None else None
+        if isinstance(limit, bool) or not 1 <= limit <= LIST_MAX:
+            raise InvalidInput("limit", f"{limit!r} is not from 1 to {LIST_MAX}")
+        if before is not None and (isinstance(before, bool) or before < 1):
+            raise InvalidInput("before", f"{before!r} is not a message id (1 or more)")
+        return await self.store.list_messages(
+            tenant, statuses=wanted, lane=picked, limit=limit, before=before
+        )
 
     async def status(self, *, now: datetime | None = None) -> BusStatus:
         return await self.store.status(now=now)

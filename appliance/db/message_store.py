@@ -672,6 +672,26 @@ class PgMessageStore:
             row = await (await conn.execute(q("message_get"), {"id": message_id})).fetchone()
         return row_to_message(row) if row else None
 
+    async def list_messages(
+        self,
+        tenant: str,
+        *,
+        statuses: Sequence[MessageStatus],
+        lane: Lane | None,
+        limit: int,
+        before: int | None,
+    ) -> list[Message]:
+        """The tenant's messages in the hot table, newest first (see Bus.list_messages)."""
+        params = {
+            "statuses": [s.value for s in statuses] or None,
+            "lane": lane.value if lane is not None else None,
+            "limit": limit,
+            "before": before,
+        }
+        async with self.db.tenant_tx(tenant) as conn:
+            rows = await (await conn.execute(q("message_list"), params)).fetchall()
+        return [row_to_message(row) for row in rows]
+
     async def transitions(self, tenant: str, message_id: int) -> list[dict[str, Any]]:
         """The transition log of one message, as the tenant sees it."""
         async with self.db.tenant_tx(tenant) as conn:

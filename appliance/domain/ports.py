@@ -242,6 +242,16 @@ class MessageStore(Protocol):
 
     async def get(self, tenant: str, message_id: int) -> Message | None: ...
 
+    async def list_messages(
+        self,
+        tenant: str,
+        *,
+        statuses: Sequence[MessageStatus],
+        lane: Lane | None,
+        limit: int,
+        before: int | None,
+    ) -> list[Message]: ...
+
     async def status(self, *, now: datetime | None) -> BusStatus: ...
 
 

@@ -292,6 +292,15 @@ FROM agent_messages_archive a
 WHERE a.id = %(id)s AND NOT EXISTS (SELECT FROM agent_messages WHERE id = %(id)s)
 LIMIT 1;
 
+-- name: message_list :many
+-- The transaction's tenant's messages in the hot table, newest first: of the statuses given (any when NULL) and the lane given (any when NULL), below id `before` (the next page; from the newest when NULL), at most `limit` (row-level security limits it to the transaction's tenant).
+SELECT * FROM agent_messages m
+WHERE (%(statuses)s::message_status[] IS NULL OR m.status = ANY (%(statuses)s::message_status[]))
+  AND (%(lane)s::lane IS NULL OR m.lane = %(lane)s::lane)
+  AND (%(before)s::bigint IS NULL OR m.id < %(before)s::bigint)
+ORDER BY m.id DESC
+LIMIT %(limit)s;
+
 -- name: message_transitions :many
 -- The transition log of one message, oldest first.
 SELECT from_status, to_status, reason, actor, attempt, lease_token, at

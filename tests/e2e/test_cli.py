@@ -184,7 +184,7 @@ def test_operator_commands_say_what_they_did_not_do(env: dict[str, str]) -> None
     ).stdout  # fmt: skip
     pending = out.split()[0]
     # An unknown tenant is an error, not "nothing to do".
-    for args in (["redrive"], ["cancel", pending], ["show", pending]):
+    for args in (["redrive"], ["cancel", pending], ["show", pending], ["list"]):
         proc = run(env, "bus", args[0], "--tenant", "ghost", *args[1:], check=False)
         assert proc.returncode == 2, args
         assert "tenant: unknown tenant 'ghost'" in proc.stderr
@@ -201,6 +201,55 @@ def test_operator_commands_say_what_they_did_not_do(env: dict[str, str]) -> None
     proc = run(env, "bus", "cancel", "--tenant", "acme", "99999", check=False)
     assert "message 99999 not cancelled: not found for tenant acme" in proc.stderr
     assert run(env, "bus", "redrive", "--tenant", "acme").stdout.strip() == "redriven: 0"
+
+
+def test_bus_list_pages_through_a_tenants_messages_by_status_and_lane(
+    env: dict[str, str],
+) -> None:
+    for tenant in ("acme", "globex"):
+        run(env, "tenant", "add", tenant)
+
+    def submit(tenant: str, sid: str, *extra: str) -> str:
+        return run(
+            env, "submit", "--tenant", tenant, "--pipeline", "p", "--stage", "s", "--source",
+            "c", "--source-id", sid, "--directive", "d", *extra,
+        ).stdout.split()[0]  # fmt: skip
+
+    first, second = submit("acme", "1"), submit("acme", "2", "--lane", "batch")
+    third = submit("acme", "3")
+    submit("globex", "1")  # another tenant's: never listed for acme
+    run(env, "bus", "cancel", "--tenant", "acme", third)
+
+    def ids(*args: str) -> list[str]:
+        out = run(env, "bus", "list", "--tenant", "acme", *args).stdout.splitlines()
+        assert out[0].split()[:3] == ["id", "status", "lane"]
+        return [line.split()[0] for line in out[1:] if line != "(none)"]
+
+    assert ids() == [third, second, first]  # newest first
+    assert ids("--status", "cancelled") == [third]
+    assert ids("--status", "pending,cancelled", "--lane", "batch") == [second]
+    assert ids("--status", "pending", "--status", "dead") == [second, first]
+    assert ids("--status", "dead") == []
+    paged = run(env, "bus", "list", "--tenant", "acme", "--limit", "2")
+    assert [line.split()[0] for line in paged.stdout.splitlines()[1:]] == [third, second]
+    assert f"(more may follow: --before {second})" in paged.stderr
+    assert ids("--before", second) == [first]
+    listed = json.loads(run(env, "bus", "list", "--tenant", "acme", "--json").stdout)
+    assert [(m["id"], m["status"], m["lane"]) for m in listed] == [
+        (int(third), "cancelled", "interactive"),
+        (int(second), "pending", "batch"),
+        (int(first), "pending", "interactive"),
+    ]
+    assert all(m["tenant"] == "acme" for m in listed)
+    for args, needle in (
+        (["--status", "zombie"], "status: unknown status 'zombie' (one of: pending,"),
+        (["--lane", "urgent"], "lane: unknown lane 'urgent'"),
+        (["--limit", "0"], "argument --limit: 0 is not from 1 to 1000"),
+    ):
+        proc = run(env, "bus", "list", "--tenant", "acme", *args, check=False)
+        assert proc.returncode == 2, args
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 def test_a_cap_set_below_what_is_already_committed_says_so(
