@@ -78,6 +78,11 @@ def _parse_time(field: str, text: str | None) -> datetime | None:
 BIGINT_MAX = 2**63 - 1  # the largest message id the database holds (bigint)
 
 
+def message_fields(message: Message) -> dict[str, Any]:
+    """A message's fields for JSON output (`bus show`, `bus list --json`), without `extra`."""
+    return {k: v for k, v in vars(message).items() if k != "extra"}
+
+
 def listing_table(messages: Sequence[Message]) -> str:
     """`bus list` for a person: one line a message, its error's first line cut short."""
     lines = [
@@ -624,7 +629,7 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
                 print(f"message {args.id} not found for tenant {args.tenant}", file=sys.stderr)
                 return 1
             log = await svc.bus.store.transitions(args.tenant, args.id)  # type: ignore[attr-defined]
-            shown = {k: v for k, v in vars(message).items() if k != "extra"}
+            shown = message_fields(message)
             shown["transitions"] = log
             # Visible to this tenant (checked above): its model calls, routing and tokens.
             shown["inference_calls"] = await svc.store.calls_of(args.tenant, args.id)
@@ -639,7 +644,7 @@ async def cmd_bus(settings: Settings, args: argparse.Namespace) -> int:
                 before=args.before,
             )
             if args.json:
-                rows = [{k: v for k, v in vars(m).items() if k != "extra"} for m in page]
+                rows = [message_fields(m) for m in page]
                 print(json.dumps(rows, indent=2, default=str))
             else:
                 print(listing_table(page))

@@ -38,7 +38,14 @@ from psycopg import sql
 
 from appliance.db.migrate import migrate
 from bench.bus_throughput import BusTarget
-from bench.harness import Measurement, Sample, create_database, postmaster_pid, temp_cluster
+from bench.harness import (
+    Measurement,
+    Sample,
+    create_database,
+    percentile,
+    postmaster_pid,
+    temp_cluster,
+)
 
 WORKLOADS = ("claim1", "claim4", "batch", "single")
 
@@ -70,10 +77,7 @@ def setting(text: str) -> tuple[str, str]:
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
+    return percentile(values, 0.25), percentile(values, 0.5), percentile(values, 0.75)
 
 
 async def run_one(target: BusTarget, workload: str, n: int) -> Sample:
