@@ -23,10 +23,12 @@ from appliance.domain.envelope import (
     MessageStatus,
     bytes_over,
     check_free_text,
+    check_name,
     encode_json,
     lease_duration_ok,
     parse_lane,
     parse_status,
+    utc_moment,
 )
 from appliance.domain.errors import InvalidInput
 from appliance.domain.ports import (
@@ -66,6 +68,35 @@ class BusConfig:
 
 # The most messages one list call returns: a page for a person to read, not an export.
 LIST_MAX = 1000
+
+# The most messages one claim leases: they come back in one answer, each to be worked on.
+CLAIM_MAX = 10_000
+
+# Who claims or writes (a worker's or an operator's name): stamped on the message and its log.
+ACTOR_MAX_CHARS = 200
+
+# Message ids and lease tokens are PostgreSQL bigints.
+ID_MAX = 2**63 - 1
+
+
+def check_id(field_name: str, value: object) -> int:
+    """A message id or lease token as the database holds them (1 to 2**63 - 1), or an error
+    naming the field, rather than the database's own refusal of the type or range."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= ID_MAX:
+        raise InvalidInput(field_name, f"{value!r} is not an id (a whole number 1 to {ID_MAX})")
+    return value
+
+
+def check_lease(lease: LeaseRef) -> LeaseRef:
+    check_id("message_id", lease.message_id)
+    check_id("lease_token", lease.lease_token)
+    return lease
+
+
+def check_now(now: datetime | None) -> datetime | None:
+    """An injected clock reading: with a time zone (one without would be read in the database
+    session's zone, or fail comparing with the request's times), as UTC."""
+    return utc_moment("now", now)
 
 
 class Bus:
@@ -129,7 +160,7 @@ class Bus:
                 raise InvalidInput(
                     "context", f"of request {i} is {size} bytes, over the limit of {limit} bytes"
                 )
-        return await self._send(requests, now)
+        return await self._send(requests, check_now(now))
 
     async def claim(
         self,
@@ -143,18 +174,32 @@ class Bus:
     ) -> list[Message]:
         """Lease up to `limit` messages of `lanes`, strict by lane: interactive, system, batch,
         whatever order `lanes` names them in (batch work never goes ahead of interactive)."""
+        worker = check_free_text("worker", worker, ACTOR_MAX_CHARS)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= CLAIM_MAX:
+            raise InvalidInput("limit", f"{limit!r} is not from 1 to {CLAIM_MAX}")
+        if tenant is not None:
+            check_name("tenant", tenant)
+        now = check_now(now)
         wanted = {parse_lane(lane) for lane in lanes}
         order = [lane for lane in ALL_LANES if lane in wanted]
         held = lease_duration_ok(lease if lease is not None else self.config.lease)
         claimed = await self.store.claim(
             worker=worker, lanes=order, limit=limit, lease=held, tenant=tenant, now=now
         )
-        if len(claimed) < limit and await self.store.promote_due(
+        # Work that has come due (a failed attempt's backoff over, work enqueued for later) is
+        # out of the claim's index until it is promoted, so that a worker of this API alone,
+        # with no runner's maintenance anywhere, still gets its retries back: promoted when
+        # the claim came back short, and asked for at once; and when it took work of a lane
+        # below the first one asked for, or a due retry of a higher lane would wait behind
+        # lower lanes' work for as long as that lasted (promoted now, it comes first in the
+        # next claim).
+        short = len(claimed) < limit
+        if not short and all(m.lane == order[0] for m in claimed):
+            return claimed
+        promoted = await self.store.promote_due(
             lanes=order, batch=self.config.maintenance_batch, now=now
-        ):
-            # Short: work that has come due (a failed attempt's backoff over, work enqueued
-            # for later) is made claimable and asked for, so that a worker of this API alone,
-            # with no runner's maintenance anywhere, still gets its retries back.
+        )
+        if short and promoted:
             claimed += await self.store.claim(
                 worker=worker,
                 lanes=order,
@@ -173,7 +218,7 @@ class Bus:
         """Extend a lease; the answer tells a worker whose lease was lost or cancelled to stop."""
         # `is None`, not `or`: a zero extension is an error to report, not the default.
         extend = lease_duration_ok(extend if extend is not None else self.config.lease)
-        return await self.store.heartbeat(lease, extend=extend, now=now)
+        return await self.store.heartbeat(check_lease(lease), extend=extend, now=check_now(now))
 
     async def complete(
         self,
@@ -195,19 +240,38 @@ class Bus:
         now: datetime | None = None,
     ) -> list[AckOutcome]:
         """Batched acknowledgements: one statement, one flush. A result over the context limit
-        refuses the batch (InvalidInput, nothing written)."""
-        return await self.store.complete(self._held_to_limit(completions), actor=actor, now=now)
+        refuses the batch (InvalidInput, nothing written), and so does one lease acknowledged
+        twice with different answers (only one could be stored)."""
+        actor = check_free_text("actor", actor, ACTOR_MAX_CHARS)
+        checked = self._held_to_limit(completions)
+        return await self.store.complete(checked, actor=actor, now=check_now(now))
 
     def _held_to_limit(self, completions: Sequence[Completion]) -> list[Completion]:
         """The completions with their results encoded (once), each held to the context limit:
         a result becomes the next stage's context, as the runner holds its handlers' results."""
         limit = self.config.context_max_bytes
         checked: list[Completion] = []
+        answers: dict[LeaseRef, tuple[str, str | None]] = {}
         for c in completions:
+            check_lease(c.lease)
+            check_name("outcome", c.outcome)  # it picks the next stage by name
             if c.result is None and c.result_json is None:
-                checked.append(c)  # the common no-op result: nothing to encode or measure
+                text = None  # the common no-op result: nothing to encode or measure
+            else:
+                text = (
+                    c.result_json if c.result_json is not None else encode_json(c.result, "result")
+                )
+            # One statement stores one answer per lease: with two different ones for the same
+            # lease, the other would be reported as stored and be lost.
+            if answers.setdefault(c.lease, (c.outcome, text)) != (c.outcome, text):
+                raise InvalidInput(
+                    "completions",
+                    f"message {c.lease.message_id} is acknowledged twice under lease "
+                    f"{c.lease.lease_token} with different results or outcomes",
+                )
+            if text is None:
+                checked.append(c)
                 continue
-            text = c.result_json if c.result_json is not None else encode_json(c.result, "result")
             size = bytes_over(text, limit)
             if size is not None:
                 raise InvalidInput(
@@ -227,9 +291,14 @@ class Bus:
         now: datetime | None = None,
     ) -> FailOutcome:
         """Fail the attempt of a claimed message: retry after backoff with jitter, or dead."""
+        actor = check_free_text("actor", actor, ACTOR_MAX_CHARS)
         delay = self.config.retry.delay(message.attempts, self._rng)
         return await self.store.fail(
-            message.lease, error=error, retry_delay=delay, actor=actor, now=now
+            check_lease(message.lease),
+            error=error,
+            retry_delay=delay,
+            actor=actor,
+            now=check_now(now),
         )
 
     async def cancel(
@@ -242,11 +311,20 @@ class Bus:
         now: datetime | None = None,
     ) -> bool:
         reason = check_free_text("reason", reason, REASON_MAX_CHARS)
-        return await self.store.cancel(tenant, message_id, reason=reason, actor=actor, now=now)
+        actor = check_free_text("actor", actor, ACTOR_MAX_CHARS)
+        return await self.store.cancel(
+            check_name("tenant", tenant),
+            check_id("message_id", message_id),
+            reason=reason,
+            actor=actor,
+            now=check_now(now),
+        )
 
     async def expire(self, *, now: datetime | None = None) -> int:
         limits = ExpireLimits(dict(self.config.max_queue_age))
-        return await self.store.expire(limits, batch=self.config.maintenance_batch, now=now)
+        return await self.store.expire(
+            limits, batch=self.config.maintenance_batch, now=check_now(now)
+        )
 
     async def reclaim(self, *, now: datetime | None = None) -> list[int]:
         return [mid for mid, _ in await self.reclaim_due(now=now)]
@@ -258,7 +336,7 @@ class Bus:
         # pinned) generator reclaims with reproducible delays, as its failures retry.
         return await self.store.reclaim_due(
             batch=self.config.maintenance_batch,
-            now=now,
+            now=check_now(now),
             backoff=self.config.retry,
             jitter_seed=int(self._rng.random() * 2**62),
         )
@@ -266,7 +344,7 @@ class Bus:
     async def promote_due(self, *, now: datetime | None = None) -> int:
         """Deferred work that has come due becomes claimable (a bounded batch); how many."""
         return await self.store.promote_due(
-            lanes=ALL_LANES, batch=self.config.maintenance_batch, now=now
+            lanes=ALL_LANES, batch=self.config.maintenance_batch, now=check_now(now)
         )
 
     async def redrive(
@@ -282,12 +360,19 @@ class Bus:
         no ids are given). A message that is not dead is left as it is, and so is one whose
         deadline has passed (it would only expire unrun) unless `clear_deadline` removes its
         deadline."""
+        ids = None if message_ids is None else [check_id("message_id", i) for i in message_ids]
         return await self.store.redrive(
-            tenant, message_ids, actor=actor, now=now, clear_deadline=clear_deadline
+            check_name("tenant", tenant),
+            ids,
+            actor=check_free_text("actor", actor, ACTOR_MAX_CHARS),
+            now=check_now(now),
+            clear_deadline=clear_deadline,
         )
 
     async def get(self, tenant: str, message_id: int) -> Message | None:
-        return await self.store.get(tenant, message_id)
+        return await self.store.get(
+            check_name("tenant", tenant), check_id("message_id", message_id)
+        )
 
     async def list_messages(
         self,
@@ -304,13 +389,13 @@ class Bus:
         the dead work that `redrive` would send back; finished work leaves for the archive."""
         wanted = list(dict.fromkeys(parse_status(s) for s in statuses))
         picked = parse_lane(lane) if lane is not None else None
-        if isinstance(limit, bool) or not 1 <= limit <= LIST_MAX:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= LIST_MAX:
             raise InvalidInput("limit", f"{limit!r} is not from 1 to {LIST_MAX}")
-        if before is not None and (isinstance(before, bool) or before < 1):
-            raise InvalidInput("before", f"{before!r} is not a message id (1 or more)")
+        if before is not None:
+            check_id("before", before)
         return await self.store.list_messages(
-            tenant, statuses=wanted, lane=picked, limit=limit, before=before
+            check_name("tenant", tenant), statuses=wanted, lane=picked, limit=limit, before=before
         )
 
     async def status(self, *, now: datetime | None = None) -> BusStatus:
-        return await self.store.status(now=now)
+        return await self.store.status(now=check_now(now))

@@ -1432,7 +1432,9 @@ class Runner:
         attempt.settling = True
         message = attempt.message
         now = self.clock()
-        if message.deadline is not None and now >= message.deadline + self._db_skew:
+        # The skew on this side: a deadline near the calendar's end plus a skew is no date
+        # (OverflowError), and the attempt failed with that instead of its overrun.
+        if message.deadline is not None and now - self._db_skew >= message.deadline:
             with contextlib.suppress(Exception):
                 await self.store.expire_running(
                     attempt.lease, reason="deadline_passed", actor=self.config.worker_id, now=None

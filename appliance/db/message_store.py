@@ -129,7 +129,9 @@ REFUSED_INPUT = (
 
 def _refused(field_name: str, exc: psycopg.Error) -> InvalidInput:
     """Input the database refused, as the caller's error naming what was refused."""
-    return InvalidInput(field_name, f"rejected by the database: {exc.diag.message_primary}")
+    # A refusal of the driver's own (a NUL in text, say) carries no server diagnostics.
+    reason = exc.diag.message_primary or str(exc)
+    return InvalidInput(field_name, f"rejected by the database: {reason}")
 
 
 def _oldest(ages: Iterable[Any]) -> float | None:

@@ -22,8 +22,10 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}\Z")
 KEY_MAX_CHARS = 512
 SOURCE_ID_MAX_CHARS = 512
 DIRECTIVE_MAX_CHARS = 64 * 1024
-# The column is a 32-bit integer; a runner stops a chain far sooner (RunnerConfig.max_hops).
-HOPS_MAX = 2**31 - 1
+# Far beyond any chain a runner lets run (RunnerConfig.max_hops, 1,000 by default), and far
+# below the column's 32-bit limit: a stage hand-off stores hops + 1, and at 2**31 - 1 that
+# overflowed, failing the message's completion on every attempt until it went dead.
+HOPS_MAX = 1_000_000
 
 
 class Lane(StrEnum):
@@ -258,7 +260,7 @@ def _check_int(field_name: str, value: object, low: int, high: int) -> None:
         raise InvalidInput(field_name, f"{value} is outside {low}..{high}")
 
 
-def _utc(field_name: str, moment: datetime | None) -> datetime | None:
+def utc_moment(field_name: str, moment: datetime | None) -> datetime | None:
     """A moment with a time zone, as UTC: PostgreSQL refuses offsets Python accepts (16 hours
     and more, fractions of a second), and that refusal would come from the database, after
     validation, failing every request sent in the same statement."""
@@ -450,8 +452,9 @@ class EnqueueRequest:
                 raise InvalidInput(name, "contains a NUL character, which PostgreSQL cannot store")
             if not text.isascii():
                 _check_unicode(name, text)
-        not_before = _utc("not_before", not_before)
-        deadline = _utc("deadline", deadline)
+        now = utc_moment("now", now)
+        not_before = utc_moment("not_before", not_before)
+        deadline = utc_moment("deadline", deadline)
         if deadline is not None:
             if now is not None and deadline <= now:
                 raise InvalidInput("deadline", f"{deadline.isoformat()} is not in the future")

@@ -8,6 +8,8 @@ from datetime import timedelta
 
 from appliance.domain.errors import InvalidInput
 
+RETRY_CAP_MAX = timedelta(days=7)
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -25,6 +27,10 @@ class RetryPolicy:
             raise InvalidInput("retry.base", "must be positive")
         if self.cap < self.base:
             raise InvalidInput("retry.cap", "must be at least retry.base")
+        # As the settings hold it (retry_cap_seconds): a delay of years would put a retry's
+        # not-before past what the database stores, and the failure could not be recorded.
+        if self.cap > RETRY_CAP_MAX:
+            raise InvalidInput("retry.cap", f"must be at most {RETRY_CAP_MAX} (7 days)")
 
     def delay(self, attempts: int, rng: random.Random | None = None) -> timedelta:
         """The wait after `attempts` failed attempts (attempts >= 1)."""

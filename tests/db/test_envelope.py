@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -16,7 +17,13 @@ from appliance.db.database import Database, Endpoints
 from appliance.db.message_rows import message_rows, row_to_message
 from appliance.db.message_store import PgMessageStore, enqueue_params
 from appliance.db.queries import q
-from appliance.domain.envelope import LEGAL_TRANSITIONS, EnqueueRequest, Lane, MessageStatus
+from appliance.domain.envelope import (
+    LEGAL_TRANSITIONS,
+    EnqueueRequest,
+    Lane,
+    LeaseRef,
+    MessageStatus,
+)
 from appliance.domain.errors import InvalidInput, UnknownTenant
 from appliance.domain.ports import AckOutcome, Completion, FailOutcome, Redrive
 from appliance.domain.retry import RetryPolicy
@@ -376,6 +383,74 @@ async def test_a_worker_of_the_bus_api_alone_gets_its_retries_back(bus: Bus) -> 
     assert again.id == m.id and again.attempts == 2
     (due,) = await bus.claim("w", limit=5, now=T0 + timedelta(minutes=5))
     assert due.id == later.id
+
+
+async def test_a_due_retry_is_not_held_behind_work_of_lower_lanes(bus: Bus) -> None:
+    """Due work was promoted only when a claim came back short: while batch work kept every
+    claim full, an interactive retry whose backoff had ended waited behind all of it."""
+    await bus.enqueue(now=T0, **vars_of(req(bus, "urgent")))
+    for i in range(5):
+        await bus.enqueue(now=T0, **vars_of(req(bus, f"bulk-{i}", lane=Lane.BATCH)))
+    (m,) = await bus.claim("w", now=T0)
+    assert m.lane is Lane.INTERACTIVE
+    assert await bus.fail(m, "flaky", now=T0) is FailOutcome.RETRY
+    got = await bus.get("acme", m.id)
+    assert got is not None
+    # Still deferred when this claim looks: it takes batch work, and promotes the retry...
+    (first,) = await bus.claim("w", now=got.not_before)
+    assert first.lane is Lane.BATCH
+    # ...which the next claim takes ahead of the batch work still there.
+    (second,) = await bus.claim("w", now=got.not_before)
+    assert second.id == m.id and second.attempts == 2
+
+
+async def test_one_lease_acknowledged_twice_with_different_answers_is_refused(bus: Bus) -> None:
+    """One statement stores one answer per lease: the other was reported applied and lost."""
+    await bus.enqueue(now=T0, **vars_of(req(bus, "dup")))
+    (m,) = await bus.claim("w", now=T0)
+    for second in (Completion(m.lease, {"v": 2}), Completion(m.lease, {"v": 1}, "other")):
+        with pytest.raises(InvalidInput, match=f"completions: message {m.id} is acknowledged"):
+            await bus.complete_many([Completion(m.lease, {"v": 1}), second], now=T0)
+    held = await bus.get("acme", m.id)
+    assert held is not None and held.status is MessageStatus.RUNNING  # nothing written
+    # The same answer twice (a retried acknowledgement in one batch) is one answer.
+    same = [Completion(m.lease, {"v": 1}), Completion(m.lease, {"v": 1})]
+    assert await bus.complete_many(same, now=T0) == [AckOutcome.APPLIED, AckOutcome.APPLIED]
+    done = await bus.get("acme", m.id)
+    assert done is not None and done.result == {"v": 1}
+
+
+async def test_bus_arguments_are_checked_before_the_database(bus: Bus) -> None:
+    """Callers of the Python API met the database's own refusals (integer out of range, NUL
+    in text, no function for a numeric id) or, with a clock without a time zone, a
+    TypeError, or a moment silently read in the session's zone."""
+    await bus.enqueue(now=T0, **vars_of(req(bus, "args")))
+    naive = datetime(2026, 11, 1, 12, 0)
+    calls: list[tuple[str, Any]] = [
+        ("limit: 2147483648 is not from 1 to 10000", lambda: bus.claim("w", limit=2**31, now=T0)),
+        ("limit: 0 is not from 1 to 10000", lambda: bus.claim("w", limit=0, now=T0)),
+        ("worker: contains a NUL", lambda: bus.claim("w\x00", now=T0)),
+        ("now: must carry a time zone", lambda: bus.claim("w", now=naive)),
+        ("now: must carry a time zone", lambda: bus.expire(now=naive)),
+        ("now: must carry a time zone", lambda: bus.reclaim(now=naive)),
+        ("now: must carry a time zone", lambda: bus.status(now=naive)),
+        ("now: must carry a time zone", lambda: bus.enqueue(now=naive, **vars_of(req(bus, "n")))),
+        ("message_id: 9223372036854775808 is not an id", lambda: bus.cancel("acme", 2**63)),
+        ("message_id: 0 is not an id", lambda: bus.get("acme", 0)),
+        ("message_id: 9223372036854775808", lambda: bus.redrive("acme", [2**63])),
+        ("before: 9223372036854775808", lambda: bus.list_messages("acme", before=2**63)),
+        ("tenant: 'No Such' is not a valid name", lambda: bus.get("No Such", 1)),
+        ("lease_token: 0 is not an id", lambda: bus.heartbeat(LeaseRef(1, 0), now=T0)),
+        ("actor: contains a NUL", lambda: bus.complete(LeaseRef(1, 1), actor="a\x00", now=T0)),
+        ("outcome: 'not a name' is not a valid name", lambda: bus.complete_many(
+            [Completion(LeaseRef(1, 1), outcome="not a name")], now=T0)),
+    ]  # fmt: skip
+    for expected, call in calls:
+        with pytest.raises(InvalidInput, match=re.escape(expected)):
+            await call()
+    # Nothing was touched: the message is there to claim.
+    (m,) = await bus.claim("w", now=T0)
+    assert m.source_id == "args" and m.attempts == 1
 
 
 async def test_heartbeat_extends_and_reports_cancel(bus: Bus) -> None:

@@ -1311,6 +1311,45 @@ async def test_a_runner_whose_clock_runs_ahead_gives_its_handlers_their_runtime(
             assert runner.stats.completed == 1 and runner.stats.failed == 0
 
 
+async def overstays(ctx: StageContext) -> StageResult:
+    await asyncio.sleep(30)
+    return ctx.finish()
+
+
+OVERSTAYS = [Pipeline("overstays", (Stage("run", overstays, max_runtime=timedelta(seconds=1)),))]
+
+
+async def test_an_overrun_of_work_due_at_the_calendars_end_is_settled(
+    fresh_db: Endpoints,
+) -> None:
+    # An overrun compared the clock with the message's deadline plus the runner's skew: for a
+    # deadline within the skew of 9999-12-31 that sum is no date, and the attempt failed with
+    # "OverflowError: date value out of range" instead of its overrun.
+    async with opened(fresh_db, OVERSTAYS) as store:
+        bus = Bus(store)
+        last = datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+        r = await bus.enqueue(deadline=last, **request(bus, "overstays"))
+        config = RunnerConfig(
+            worker_id="ahead",
+            concurrency=4,
+            poll_interval=timedelta(seconds=1),
+            lease=timedelta(minutes=10),
+        )
+
+        def ahead() -> datetime:  # a skew of about a minute, this machine ahead
+            return datetime.now(UTC) + timedelta(minutes=1)
+
+        async with serving(store, OVERSTAYS, config, None, clock=ahead) as runner:
+            stop = time.monotonic() + 15
+            got = await bus.get("acme", r.id)
+            while got is not None and got.error is None and time.monotonic() < stop:
+                await asyncio.sleep(0.05)
+                got = await bus.get("acme", r.id)
+            assert runner.stats.failed == 1
+        assert got is not None and got.status is MessageStatus.PENDING and got.attempts == 1
+        assert "exceeded the stage's maximum runtime" in str(got.error)
+
+
 class RefusedAcks(PgRunnerStore):
     """The product's store whose acknowledgements fail while `refusing` (a database that takes
     claims but not results: a lock held on a table the completion writes, a full disk)."""

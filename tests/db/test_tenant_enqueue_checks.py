@@ -13,6 +13,7 @@ import pytest
 from appliance.bus.core import Bus
 from appliance.db.database import Database, Endpoints
 from appliance.db.message_store import enqueue_params
+from appliance.domain.envelope import HOPS_MAX
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 ENQUEUE = (
@@ -115,7 +116,7 @@ async def test_what_the_python_sends_still_goes_through(bus: Bus, db: Database) 
         lane="batch", priority=-1000, from_agent="a" * 200, to_agent="b",
         max_attempts=100, not_before=T0 + timedelta(microseconds=1),
         deadline=datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC), key="k" * 512,
-        hops=2**31 - 1, now=T0,
+        hops=HOPS_MAX, now=T0,
     )  # fmt: skip
     derived = bus.request(
         tenant="acme", pipeline="demo", stage="x", source="t", source_id="2", directive="d",
