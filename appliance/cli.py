@@ -235,8 +235,9 @@ def cmd_db(settings: Settings, args: argparse.Namespace) -> int:
         if not cluster.state_dir.exists():
             print(f"database: no cluster in {cluster.state_dir} (nothing to stop)")
             return 0
+        was = cluster.status()
         cluster.stop()
-        print("database: stopped")
+        print("database: stopped" if was.running else "database: was not running")
     elif action == "status":
         st = cluster.status()
         state = f"running, pid {st.pid}" if st.running else "stopped"
@@ -959,6 +960,10 @@ def _own_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list
     return out
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(
@@ -983,6 +988,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ' APPLIANCE_RUNNER__PIPELINES=\'["demo", "support"]\''
             ) from None
         if args.command == "db":
+            # A SIGTERM ended this process at once and left the tool it was running (initdb,
+            # pg_ctl: in sessions of their own) running without it; as an interrupt, the
+            # cluster manager ends them first.
+            signal.signal(signal.SIGTERM, _interrupt)
             return cmd_db(settings, args)
         if args.command == "models":
             return cli_models.cmd_models(settings, args)
@@ -1022,6 +1031,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The server went away, refused a statement or was never there: one line, no trace.
         print(f"error: database: {error_text(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C, or SIGTERM (mapped to it for `db` commands, so that the server tools they
+        # run are ended with them): the command is abandoned, quietly, as a shell reports it.
+        print("interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader of our output went away (`| head`): nothing to say, and nowhere to say
         # it. Standard output goes to /dev/null so that its flush at exit fails no more.

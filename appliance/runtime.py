@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
@@ -88,12 +89,23 @@ def pg_tool(settings: Settings, name: str) -> str:
     """A PostgreSQL client program (psql, pg_dump): from the server binaries found, or, for an
     external server (which needs no local server package), from PATH."""
     try:
-        return str(find_bindir(settings.db.pg_bindir) / name)
+        tool = find_bindir(settings.db.pg_bindir) / name
     except ClusterError:
         found = shutil.which(name) if settings.db.url else None
         if found is None:
             raise
         return found
+    if os.access(tool, os.X_OK):
+        return str(tool)
+    # A folder of the server binaries alone (APPLIANCE_PG_BINDIR may name one): the client
+    # from PATH, which talks to any server of the same or an older major version.
+    found = shutil.which(name)
+    if found is None:
+        raise ClusterError(
+            f"{name} is neither in {tool.parent} nor on PATH: install the PostgreSQL client "
+            "(package postgresql-client)"
+        )
+    return found
 
 
 def bus_config(settings: Settings) -> BusConfig:

@@ -24,6 +24,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import threading
@@ -65,6 +66,7 @@ _DB_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _CONF_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _INCLUDE_LINE = "include_if_exists = 'appliance.conf'"
 _LOG_TAIL_LINES = 20
+_LOG_TAIL_BYTES = 64 * 1024
 # Characters a state directory's path may not hold (see LocalCluster.__init__).
 _UNSAFE_PATH_CHARS = ',"$`\\\n'
 # Held (flock) while a command creates, starts or stops the cluster: two `appliance db start`
@@ -239,6 +241,14 @@ def _conf_quote(value: str) -> str:
     if "\n" in value or "\r" in value or "\0" in value:
         raise ClusterError(f"setting value {value!r} contains a line break or NUL: remove it")
     return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def _end_group(proc: subprocess.Popen[str]) -> None:
+    """Kill a command and everything it started in its session, and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)
 
 
 def _orphans_of(procs: list[tuple[int, int, bool]]) -> list[int]:
@@ -475,22 +485,35 @@ class LocalCluster:
         env["LC_ALL"] = "C"
         try:
             # cwd "/": the server user may not be able to enter our working directory (e.g. /root).
-            return subprocess.run(
+            # A session of its own, so that the whole command (runuser, and the tool it runs as
+            # the server's user) can be ended together: killing runuser alone on a timeout or
+            # an interrupt left initdb or pg_ctl running on their own, racing the next try (an
+            # initdb finishing after us left a data directory without our marker, refused
+            # for ever). pg_ctl puts the server it starts in a session of its own, so ending
+            # a pg_ctl never ends the server.
+            proc = subprocess.Popen(
                 cmd,
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=timeout,
-                check=False,
                 cwd="/",
                 env=env,
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
+        except OSError as exc:
+            raise ClusterError(f"{what} could not run ({cmd[0]}): {exc}") from exc
+        try:
+            out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
+            _end_group(proc)
             raise ClusterError(
                 f"{what} did not finish within {timeout:.0f}s: see {self.log_file}"
             ) from exc
-        except OSError as exc:
-            raise ClusterError(f"{what} could not run ({cmd[0]}): {exc}") from exc
+        except BaseException:  # an interrupt (Ctrl-C, or SIGTERM as the CLI maps it)
+            _end_group(proc)
+            raise
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     # ------------------------------------------------------------------ ownership checks
 
@@ -589,6 +612,8 @@ class LocalCluster:
             return True
         if self.initialized() or not os.path.lexists(self.data_dir):
             return False
+        if os.path.lexists(self._in_place_mark):
+            return False  # our own initdb into it was interrupted: done again on the next start
         try:
             return not (self.data_dir.is_dir() and not any(self.data_dir.iterdir()))
         except OSError as exc:
@@ -628,10 +653,24 @@ class LocalCluster:
         self._prepare_dirs()
         # initdb into a scratch folder, then rename: a crash half way leaves no marker-less data
         # dir behind (which we would then refuse to touch forever).
+        # A data folder that exists already (a mount point, or made by hand, empty: foreign()
+        # refuses anything else) is initialised in place, and a mark beside it says so until
+        # our marker is in it: an initdb in place that was interrupted is ours to do again,
+        # not a folder without our marker to refuse for ever.
         in_place = self.data_dir.is_dir()
         work = self.data_dir if in_place else self.data_dir.parent / ".data.initdb"
         try:
-            if not in_place and os.path.lexists(work):
+            if os.path.lexists(work):
+                self._refuse_running_initdb(work)
+            if in_place:
+                if os.path.lexists(self._in_place_mark):
+                    for child in work.iterdir():  # the folder itself may be a mount point
+                        if child.is_dir() and not child.is_symlink():
+                            shutil.rmtree(child)
+                        else:
+                            child.unlink()
+                self._write_owned(self._in_place_mark, f"{work}\n")
+            elif os.path.lexists(work):
                 shutil.rmtree(work)  # our own leftover from an interrupted init
             self._own_dir(work, 0o700)
         except OSError as exc:
@@ -669,12 +708,36 @@ class LocalCluster:
             }
             self._write_owned(work / MARKER, json.dumps(marker, indent=2) + "\n")
             self._write_conf(work)
-            if not in_place:
+            if in_place:
+                self._in_place_mark.unlink()
+            else:
                 os.rename(work, self.data_dir)
         except OSError as exc:
             raise ClusterError(f"cannot finish creating {self.data_dir}: {exc}") from exc
         log.info("created PostgreSQL cluster in %s", self.data_dir)
         return True
+
+    @property
+    def _in_place_mark(self) -> Path:
+        return self.data_dir.parent / ".data.initdb-in-place"
+
+    def _refuse_running_initdb(self, work: Path) -> None:
+        """An initdb of an earlier, interrupted start may still be writing `work` (it outlives
+        an appliance killed with SIGKILL): emptying the folder under it would race it."""
+        target = str(work)
+        for proc in Path("/proc").iterdir() if Path("/proc/self").exists() else ():
+            if not proc.name.isdigit():
+                continue
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            args = [a.decode(errors="replace") for a in argv]
+            if target in args and any(Path(a).name == "initdb" for a in args):
+                raise ClusterError(
+                    f"an earlier initdb (pid {proc.name}) is still creating {work}: let it end "
+                    f"(or kill {proc.name}) and start again"
+                )
 
     def _write_owned(self, path: Path, text: str) -> None:
         """Atomically write a file the server user owns and can read (mode 0600)."""
@@ -1025,21 +1088,26 @@ class LocalCluster:
         if self._live_pid() is None:
             return
         for mode, limit in (("fast", timeout), ("immediate", 30.0)):
-            result = self._run(
-                [
-                    self._bin("pg_ctl"),
-                    "-D",
-                    self.data_dir,
-                    "-m",
-                    mode,
-                    "-w",
-                    "-t",
-                    str(max(1, math.ceil(limit))),
-                    "stop",
-                ],
-                timeout=limit + 15,
-                what=f"pg_ctl stop -m {mode}",
-            )
+            try:
+                result = self._run(
+                    [
+                        self._bin("pg_ctl"),
+                        "-D",
+                        self.data_dir,
+                        "-m",
+                        mode,
+                        "-w",
+                        "-t",
+                        str(max(1, math.ceil(limit))),
+                        "stop",
+                    ],
+                    timeout=limit + 15,
+                    what=f"pg_ctl stop -m {mode}",
+                )
+            except ClusterError as exc:
+                # pg_ctl itself hung: the next mode is still worth a try (it was never tried).
+                log.warning("%s", exc)
+                continue
             if result.returncode == 0 or self._live_pid() is None:
                 log.info("PostgreSQL stopped (%s shutdown)", mode)
                 return
@@ -1064,18 +1132,34 @@ class LocalCluster:
 
     def _crash_restart(self, timeout: float) -> None:
         self._refuse_foreign()
-        self._run(
-            [self._bin("pg_ctl"), "-D", self.data_dir, "-m", "immediate", "-w", "stop"],
-            timeout=timeout,
-            what="pg_ctl stop -m immediate",
-        )
+        # Only a postmaster of this data directory is stopped: pg_ctl signals whatever pid a
+        # stale postmaster.pid names (a process that reused it), and start() takes care of a
+        # stale file anyway.
+        if self._live_pid() is not None:
+            result = self._run(
+                [self._bin("pg_ctl"), "-D", self.data_dir, "-m", "immediate", "-w", "stop"],
+                timeout=timeout,
+                what="pg_ctl stop -m immediate",
+            )
+            if self._live_pid() is not None:
+                raise ClusterError(
+                    f"PostgreSQL in {self.data_dir} did not stop for the crash restart (exit "
+                    f"{result.returncode}): {(result.stderr or result.stdout).strip()[-2000:]}"
+                )
         self.start(timeout=timeout)
 
     def _log_tail(self) -> str:
+        # The end of the file only: the log grows for as long as the cluster lives.
         try:
-            lines = self.log_file.read_text(encoding="utf-8", errors="replace").splitlines()
+            with self.log_file.open("rb") as fh:
+                size = fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, size - _LOG_TAIL_BYTES))
+                text = fh.read().decode("utf-8", errors="replace")
         except OSError as exc:
             return f"(cannot read {self.log_file}: {exc})"
+        lines = text.splitlines()
+        if size > _LOG_TAIL_BYTES:
+            lines = lines[1:]  # the first line read may be cut
         return "\n".join(lines[-_LOG_TAIL_LINES:]) or "(log is empty)"
 
     # ------------------------------------------------------------------ inspection

@@ -91,7 +91,10 @@ ensure_venv() {
 # The PostgreSQL server binaries (the local cluster manager runs them). Installed with apt when
 # missing and we are root; otherwise say exactly what to install.
 ensure_postgres() {
-  if [ -n "${APPLIANCE_DATABASE_URL:-}" ] || [ -n "${APPLIANCE_PG_BINDIR:-}" ]; then
+  # Both spellings the settings read (APPLIANCE_DB__URL is APPLIANCE_DATABASE_URL's nested
+  # name): an external server needs no server package here.
+  if [ -n "${APPLIANCE_DATABASE_URL:-}${APPLIANCE_DB__URL:-}" ] \
+     || [ -n "${APPLIANCE_PG_BINDIR:-}${APPLIANCE_DB__PG_BINDIR:-}" ]; then
     return 0
   fi
   if compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then

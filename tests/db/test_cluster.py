@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -616,3 +617,89 @@ def test_another_os_users_cluster_is_refused_untouched(reachable_dir: Path) -> N
         with pytest.raises(ClusterError, match="belongs to OS user nobody"):
             action()
     assert sorted(str(p.relative_to(state)) for p in state.rglob("*")) == before
+
+
+def test_an_initdb_in_place_that_was_interrupted_is_done_again(reachable_dir: Path) -> None:
+    """A data folder that exists (a mount point) is initialised in place. An appliance killed
+    during that initdb left a folder without its marker (initdb, in a session of its own, may
+    even finish it): every later start refused it as not the appliance's, for ever."""
+    state = reachable_dir / "state"
+    data = state / "pg" / "data"
+    data.mkdir(parents=True)
+    data.chmod(0o777)  # as an empty mount point: the appliance makes it the server user's
+    code = (
+        "from pathlib import Path; from appliance.db.cluster import LocalCluster; "
+        f"LocalCluster(Path({str(state)!r}), port={PORT}).init()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not any(data.iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None, "initdb never began"
+        time.sleep(0.01)
+    proc.kill()  # SIGKILL: no clean-up of its own
+    proc.wait()
+    assert not (data / MARKER).exists()
+    c = _fast_cluster(state)
+    try:
+        refusals: list[str] = []
+        while True:  # the orphaned initdb is named while it runs, never raced
+            try:
+                c.start()
+                break
+            except ClusterError as exc:
+                refusals.append(str(exc))
+            assert time.monotonic() < deadline, refusals
+            time.sleep(0.1)
+        assert all("an earlier initdb" in r and "is still creating" in r for r in refusals)
+        assert c.initialized() and c.status().running
+        assert not (state / "pg" / ".data.initdb-in-place").exists()
+        assert _query(c, "SELECT 1") == 1
+    finally:
+        c.stop()
+
+
+def test_a_command_that_outruns_its_timeout_is_ended_with_what_it_started(
+    reachable_dir: Path,
+) -> None:
+    # Only the command itself (runuser, as root) was killed: what it ran went on on its own.
+    c = _fast_cluster(reachable_dir / "state")
+    box = reachable_dir / "box"
+    box.mkdir()
+    box.chmod(0o777)  # the server's user writes here when the command runs as that user
+    pidfile = box / "child.pid"
+    with pytest.raises(ClusterError, match="sleeper did not finish within 1s"):
+        c._run(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], timeout=1, what="sleeper")
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while not _gone(pid):
+        assert time.monotonic() < deadline, "the command's child outlived its timeout"
+        time.sleep(0.05)
+
+
+def test_a_crash_restart_never_signals_a_process_that_took_a_stale_pid(
+    cluster: LocalCluster,
+) -> None:
+    cluster.start()
+    pid = cluster.status().pid
+    assert pid is not None
+    children = _children(pid)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while not all(_gone(p) for p in [pid, *children]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # The stale postmaster.pid now names a live process of the server's user, not a server.
+    runuser = ["runuser", "-u", "postgres", "--"] if IS_ROOT else []
+    bystander = subprocess.Popen([*runuser, "sleep", "60"])
+    try:
+        time.sleep(0.2)
+        sleeper = _children(bystander.pid)[0] if IS_ROOT else bystander.pid
+        pidfile = cluster.data_dir / "postmaster.pid"
+        lines = pidfile.read_text().splitlines()
+        pidfile.write_text("\n".join([str(sleeper), *lines[1:]]) + "\n")
+        cluster.crash_restart(timeout=30)
+        assert cluster.status().running and cluster.status().pid != sleeper
+        assert bystander.poll() is None, "the process that took the stale pid was signalled"
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from appliance.db.cluster import find_bindir
 from appliance.db.database import Endpoints
 from tests.pgserver import PgTestServer
 
@@ -151,8 +154,52 @@ def test_local_cluster_lifecycle_from_the_cli(state_dir: Path) -> None:
         assert "already running on port 5433" in moved.stdout, moved.stdout
         assert "not port 5434" in moved.stdout, moved.stdout
     finally:
-        run(env, "db", "stop", check=False)
+        assert run(env, "db", "stop", check=False).stdout == "database: stopped\n"
     assert run(env, "db", "status", check=False).returncode == 3
+    assert run(env, "db", "stop").stdout == "database: was not running\n"
+
+
+def test_a_db_command_ended_by_sigterm_ends_the_tool_it_runs(state_dir: Path) -> None:
+    """SIGTERM ended the CLI at once; the tool it was running (here an initdb that hangs) went
+    on without it. Now the command ends it, and exits as interrupted, without a trace."""
+    bindir = state_dir / "bin"
+    bindir.mkdir()
+    real = find_bindir()
+    for name in ("pg_ctl", "postgres"):
+        (bindir / name).symlink_to(real / name)
+    box = state_dir / "box"
+    box.mkdir()
+    box.chmod(0o777)  # written by the server's user when the CLI runs as root
+    (bindir / "initdb").write_text(f"#!/bin/sh\necho $$ > {box}/initdb.pid\nexec sleep 60\n")
+    (bindir / "initdb").chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    env = {
+        **clean,
+        "APPLIANCE_STATE_DIR": str(state_dir / "state"),
+        "APPLIANCE_PG_BINDIR": str(bindir),
+    }
+    proc = subprocess.Popen(
+        [*APPLIANCE, "db", "start"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (box / "initdb.pid").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
+        time.sleep(0.05)
+    initdb = int((box / "initdb.pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err == "interrupted\n", (proc.returncode, err)
+    while Path(f"/proc/{initdb}").exists() and "Z" not in _state(initdb):
+        assert time.monotonic() < deadline, "the initdb outlived the command"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
 
 
 def test_context_file_that_is_not_utf8_is_named(env: dict[str, str], tmp_path: Path) -> None:

@@ -116,6 +116,30 @@ def test_psql_for_an_external_server_needs_no_server_package(
     assert runtime.pg_tool(Settings(), "psql") == str(tmp_path / "psql")
 
 
+def test_a_bindir_of_the_server_binaries_alone_takes_psql_from_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # APPLIANCE_PG_BINDIR may name a folder of initdb, pg_ctl and postgres alone: psql was
+    # that folder's, which did not exist (a FileNotFoundError trace).
+    server = tmp_path / "server"
+    client = tmp_path / "client"
+    for folder, names in ((server, ("initdb", "pg_ctl", "postgres")), (client, ("psql",))):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text("#!/bin/sh\n")
+            (folder / name).chmod(0o755)
+    monkeypatch.setenv("APPLIANCE_PG_BINDIR", str(server))
+    monkeypatch.setenv("PATH", str(client))
+    assert runtime.pg_tool(Settings(), "psql") == str(client / "psql")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(
+        ClusterError,
+        match=r"psql is neither in .* nor on PATH: install the "
+        r"PostgreSQL client \(package postgresql-client\)",
+    ):
+        runtime.pg_tool(Settings(), "psql")
+
+
 def test_settings_that_break_their_own_rules_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     # One lane given keeps the others' limits (they were silently dropped); ages must be > 0.
     monkeypatch.setenv("APPLIANCE_BUS__MAX_QUEUE_AGE_SECONDS__BATCH", "7200")
