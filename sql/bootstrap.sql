@@ -64,6 +64,39 @@ BEGIN
 END
 $$;
 
+-- Temporary objects for the owner alone. A SECURITY DEFINER function's temporary table lives in
+-- its caller's session: a runtime role that made one of that name first (with a trigger of its
+-- own, in pg_temp) had that trigger run as the owner. The runtime roles use none. The
+-- database's privilege, so its owner (or a superuser) must make this change; another
+-- migrating user is told.
+DO $$
+BEGIN
+    IF (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+       OR pg_has_role(current_user,
+                      (SELECT datdba FROM pg_database WHERE datname = current_database()),
+                      'MEMBER') THEN
+        EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+        EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO appliance_owner', current_database());
+    ELSE
+        RAISE WARNING 'temporary tables stay open to every role of this database: only its '
+            'owner or a superuser can limit them (the migration ran as %)', current_user;
+    END IF;
+END
+$$;
+
+-- Ending or cancelling a server process is open to the processes of the same role: every
+-- tenant's statements run as one role, so one tenant's SQL could cancel another's. The
+-- machinery needs neither; an operator does it as the admin. Like the advisory locks below,
+-- only a superuser can change it.
+DO $$
+BEGIN
+    IF (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) THEN
+        REVOKE EXECUTE ON FUNCTION pg_catalog.pg_cancel_backend(integer) FROM PUBLIC;
+        REVOKE EXECUTE ON FUNCTION pg_catalog.pg_terminate_backend(integer, bigint) FROM PUBLIC;
+    END IF;
+END
+$$;
+
 CREATE SCHEMA IF NOT EXISTS appliance AUTHORIZATION appliance_owner;
 REVOKE ALL ON SCHEMA appliance FROM PUBLIC;
 GRANT USAGE ON SCHEMA appliance TO appliance_app, appliance_system;
@@ -74,4 +107,14 @@ CREATE TABLE IF NOT EXISTS appliance.schema_migrations (
     checksum text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
 );
-ALTER TABLE appliance.schema_migrations OWNER TO appliance_owner;
+-- Only when it differs: ALTER TABLE .. OWNER takes an ACCESS EXCLUSIVE lock even when nothing
+-- changes, so every migrate run (one with nothing to apply included) queued behind any reader
+-- of this table, and every command's schema check queued behind it.
+DO $$
+BEGIN
+    IF (SELECT c.relowner::regrole::text FROM pg_class c
+        WHERE c.oid = 'appliance.schema_migrations'::regclass) <> 'appliance_owner' THEN
+        ALTER TABLE appliance.schema_migrations OWNER TO appliance_owner;
+    END IF;
+END
+$$;

@@ -30,7 +30,15 @@ SEARCH_PATH_OPTION = "-c search_path=appliance,pg_catalog"
 # planning was about a third of a claim's server time. The queries are written for a generic
 # plan (the hot ones read their lane's pending index whatever the parameters), and
 # tests/db/test_runner_store.py checks the claim's plan on a large table with this setting.
-RUNTIME_OPTIONS = f"{SEARCH_PATH_OPTION} -c plan_cache_mode=force_generic_plan"
+#
+# Pinned as well, over any default a role set for itself (an ordinary role may ALTER ROLE its
+# own defaults, and every tenant's statements run as one role): reads and writes under
+# row-level security, writable transactions, and durable commits (a statement that may lose
+# its commit says so itself, with SET LOCAL).
+RUNTIME_OPTIONS = (
+    f"{SEARCH_PATH_OPTION} -c plan_cache_mode=force_generic_plan -c row_security=on"
+    " -c default_transaction_read_only=off -c synchronous_commit=on"
+)
 # A runtime statement that runs longer than this is cancelled by the server: behind a lock a
 # forgotten session holds (an operator's open psql transaction), a claim or an acknowledgement
 # waited for ever and its runner with it. Every runtime statement is a bounded batch, far

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -11,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
 from appliance.db.queries import sql_dir
@@ -59,7 +61,10 @@ def discover(directory: Path | None = None) -> list[Migration]:
         match = _FILE.match(path.name)
         if not match:
             raise MigrationError(f"{path.name}: migration files are named NNNN_lowercase_name.sql")
-        found.append(Migration(int(match["version"]), match["name"], path, path.read_text()))
+        # utf-8-sig: a byte order mark an editor wrote is dropped (psql ignores one; sent to
+        # the server it is a syntax error), and the locale plays no part.
+        text = path.read_text(encoding="utf-8-sig")
+        found.append(Migration(int(match["version"]), match["name"], path, text))
     for expected, migration in enumerate(found, start=1):
         if migration.version != expected:
             raise MigrationError(
@@ -76,7 +81,12 @@ def schema_problem(conninfo: str, directory: Path | None = None, timeout_s: int 
     latest = len(discover(directory))  # versions run 1..n without gaps (discover checks)
     migrate_hint = "run `appliance db migrate`"
     try:
-        with psycopg.connect(conninfo, connect_timeout=timeout_s, autocommit=True) as conn:
+        # Timeouts: a lock held on schema_migrations (a migration under way, a backup) kept
+        # every command and runner start waiting on this first check, without a word.
+        waits = f"-c statement_timeout={timeout_s}s -c lock_timeout={timeout_s}s"
+        with psycopg.connect(
+            conninfo, connect_timeout=timeout_s, autocommit=True, options=waits
+        ) as conn:
             row = conn.execute("SELECT max(version) FROM appliance.schema_migrations").fetchone()
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
         return (
@@ -86,6 +96,11 @@ def schema_problem(conninfo: str, directory: Path | None = None, timeout_s: int 
     except psycopg.errors.InsufficientPrivilege:
         # The grant this reads by came with migration 0042: a database older than that.
         return f"the database's schema is older than this code's ({latest:04d}): " + migrate_hint
+    except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled):
+        return (
+            f"the schema version could not be read within {timeout_s} s: another session holds"
+            " appliance.schema_migrations locked (a migration under way?); try again"
+        )
     at = int(row[0]) if row is not None and row[0] is not None else 0
     if at < latest:
         return (
@@ -122,7 +137,10 @@ def _take_lock(conn: psycopg.Connection[dict[str, object]], wait: timedelta) -> 
             holder = conn.execute(
                 "SELECT a.pid, a.application_name, a.state, now() - a.backend_start AS age"
                 " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE l.locktype = 'advisory' AND l.granted"
+                " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+                # Advisory locks are per database: the same key in another database is not it.
+                " AND l.database = (SELECT oid FROM pg_database"
+                " WHERE datname = current_database())"
                 " AND (l.classid::bigint << 32) | l.objid::bigint = %s",
                 (MIGRATION_LOCK_KEY,),
             ).fetchone()
@@ -137,6 +155,22 @@ def _take_lock(conn: psycopg.Connection[dict[str, object]], wait: timedelta) -> 
                 " wait for it to finish, or end that session"
             )
         time.sleep(0.2)
+
+
+def _still_one_transaction(conn: psycopg.Connection[dict[str, object]], m: Migration) -> None:
+    """A COMMIT or ROLLBACK in a file ends the transaction it runs in: what came before is
+    committed (or undone), and the rest ran in autocommit as the admin role, outside the
+    schema, without the lock timeout; recording it as applied would hide all that."""
+    row = conn.execute("SELECT current_user AS who").fetchone()
+    if conn.info.transaction_status != TransactionStatus.INTRANS or (
+        row is None or row["who"] != "appliance_owner"
+    ):
+        raise MigrationError(
+            f"migration {m.path.name} ended its own transaction (a COMMIT, ROLLBACK or END in"
+            " the file): what it ran before that may be committed and the rest ran outside it;"
+            " it is not recorded as applied. Check the schema by hand, and write migrations"
+            " without transaction control (each file runs in one transaction)"
+        )
 
 
 def migrate(
@@ -154,11 +188,17 @@ def migrate(
     """
     base = directory or sql_dir()
     migrations = discover(base)
-    bootstrap = (base / "bootstrap.sql").read_text()
+    bootstrap = (base / "bootstrap.sql").read_text(encoding="utf-8-sig")
     with psycopg.connect(admin_conninfo, autocommit=True, row_factory=dict_row) as conn:
         _take_lock(conn, lock_wait)
         try:
             with conn.transaction():
+                # A table another session holds (a backup's read of schema_migrations) must
+                # not keep this waiting for ever: named, like a migration's own waits.
+                conn.execute(
+                    "SELECT set_config('lock_timeout', %s, true)",
+                    (f"{int(lock_timeout.total_seconds() * 1000)}ms",),
+                )
                 conn.execute(bootstrap)
             rows = conn.execute(
                 "SELECT version, name, checksum FROM appliance.schema_migrations ORDER BY version"
@@ -193,6 +233,7 @@ def migrate(
                             (f"{int(lock_timeout.total_seconds() * 1000)}ms",),
                         )
                         conn.execute(migration.sql)
+                        _still_one_transaction(conn, migration)
                         conn.execute(
                             "INSERT INTO appliance.schema_migrations (version, name, checksum)"
                             " VALUES (%s, %s, %s)",
@@ -223,4 +264,8 @@ def migrate(
                 done.append(migration.version)
             return MigrateReport(applied=done, already=sorted(applied))
         finally:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
+            # Not over the error that ended the run: a connection lost in a migration has no
+            # lock left to release (the server released it), and its own error says why.
+            if not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))

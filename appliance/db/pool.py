@@ -13,8 +13,10 @@ shrinking, after `max_idle`, closes one of the idle connections, now the last re
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Generic, TypeVar
+from weakref import WeakKeyDictionary
 
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
@@ -39,7 +41,17 @@ class LifoConnectionPool(AsyncConnectionPool[C]):
     layout, so it is checked here and by tests/db/test_pool.py rather than assumed.
     """
 
+    # A connection idle longer than this is checked (one empty round trip) before it is
+    # handed out: after a server restart, a failover or backends ended by an operator, every
+    # idle connection of the pool was dead and failed one caller each. One in steady use is
+    # not checked (it would cost a round trip per statement on the bus's hot paths).
+    idle_check_s = 2.0
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Stamped by putconn, not by a `reset` callback: the pool runs that in a worker task,
+        # so a connection would come back late and a sequential caller take another one.
+        self._returned_at: WeakKeyDictionary[C, float] = WeakKeyDictionary()
+        kwargs.setdefault("check", self._check_if_idle)
         super().__init__(*args, **kwargs)
         idle = getattr(self, "_pool", None)
         if not isinstance(idle, deque) or idle:
@@ -48,3 +60,13 @@ class LifoConnectionPool(AsyncConnectionPool[C]):
                 "LifoConnectionPool needs updating for this psycopg-pool version"
             )
         self._pool = _Stack(idle)
+
+    async def putconn(self, conn: C) -> None:
+        self._returned_at[conn] = time.monotonic()
+        await super().putconn(conn)
+
+    async def _check_if_idle(self, conn: C) -> None:
+        returned = self._returned_at.get(conn)
+        if returned is not None and time.monotonic() - returned < self.idle_check_s:
+            return
+        await AsyncConnectionPool.check_connection(conn)

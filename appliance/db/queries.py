@@ -13,6 +13,7 @@ from appliance.domain.errors import ConfigurationError
 
 Kind = Literal["one", "many", "exec"]
 _HEADER = re.compile(r"^-- name: (?P<name>[a-z_][a-z0-9_]*) :(?P<kind>one|many|exec)\s*$")
+_HEADER_LIKE = re.compile(r"^\s*--\s*name\b", re.IGNORECASE)
 
 
 def sql_dir() -> Path:
@@ -61,6 +62,9 @@ def compact(sql: str) -> str:
     kept = [_strip_trailing_comment(line.strip()) for line in sql.splitlines()]
     kept = [line for line in kept if line]
     for line in kept:
+        if "/*" in line:
+            # A block comment could hide a `--` or a line break from the stripping above.
+            raise ConfigurationError(f"a named query may not hold a /* comment */: {line!r}")
         if line.count("'") % 2 or "$$" in line:
             raise ConfigurationError(
                 f"a named query line may not open a literal it does not close: {line!r} "
@@ -93,6 +97,13 @@ def parse(text: str, origin: str) -> dict[str, Query]:
 
     for line in text.splitlines():
         header = _HEADER.match(line)
+        if header is None and _HEADER_LIKE.match(line):
+            # A mistyped header was read as a comment of the query above, and its statement
+            # appended to that query's (two statements sent as one, the second one lost).
+            raise ConfigurationError(
+                f"{origin}: {line.strip()!r} is not a query header"
+                " (`-- name: lowercase_name :one|:many|:exec`)"
+            )
         if header:
             flush()
             current = (header["name"], header["kind"])  # type: ignore[assignment]
@@ -111,7 +122,7 @@ def load(directory: Path | None = None) -> dict[str, Query]:
     folder = (directory or sql_dir()) / "queries"
     merged: dict[str, Query] = {}
     for path in sorted(folder.glob("*.sql")):
-        for name, query in parse(path.read_text(), str(path)).items():
+        for name, query in parse(path.read_text(encoding="utf-8"), str(path)).items():
             if name in merged:
                 raise ConfigurationError(f"{path}: query {name} is also defined elsewhere")
             merged[name] = query

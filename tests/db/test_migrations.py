@@ -228,6 +228,52 @@ def test_a_failing_migration_is_rolled_back_whole_and_named(empty_db: str, tmp_p
         assert columns == (0,)
 
 
+def test_a_migration_that_ends_its_own_transaction_is_refused_loudly(
+    empty_db: str, tmp_path: Path
+) -> None:
+    """A COMMIT in a file committed what came before it, ran the rest in autocommit as the
+    admin role outside the schema, and the file was recorded as applied."""
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    migrate(empty_db, copy)
+    before = _applied(empty_db)
+    extra = copy / "migrations" / f"{len(before) + 1:04d}_commits.sql"
+    extra.write_text(
+        "CREATE TABLE first_half (x integer);\nCOMMIT;\nCREATE TABLE rest (y integer);\n"
+    )
+    with pytest.raises(MigrationError, match=r"commits\.sql ended its own transaction \(a COMMIT"):
+        migrate(empty_db, copy)
+    assert _applied(empty_db) == before  # not recorded as applied
+
+
+def test_a_byte_order_mark_is_not_sent_to_the_server(empty_db: str, tmp_path: Path) -> None:
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    extra = copy / "migrations" / f"{len(discover(copy)) + 1:04d}_from_an_editor.sql"
+    extra.write_bytes("\ufeffCREATE TABLE edited (x integer);\n".encode())
+    migrate(empty_db, copy)
+    with psycopg.connect(empty_db) as conn:
+        assert conn.execute("SELECT to_regclass('appliance.edited')").fetchone() is not None
+
+
+def test_the_schema_check_does_not_wait_behind_a_lock_on_the_version_table(
+    empty_db: str,
+) -> None:
+    """Every migrate run took an exclusive lock on schema_migrations (an owner change to the
+    same owner), and every command's first check waited behind it without a word."""
+    migrate(empty_db)
+    with psycopg.connect(empty_db) as reader:  # a backup reading the table, say
+        reader.execute("SELECT count(*) FROM appliance.schema_migrations").fetchone()
+        migrate(empty_db)  # nothing to apply: it no longer waits behind the reader
+    with psycopg.connect(empty_db, autocommit=True) as locker:
+        locker.execute("BEGIN")
+        locker.execute("LOCK appliance.schema_migrations IN ACCESS EXCLUSIVE MODE")
+        problem = schema_problem(empty_db, timeout_s=1)
+        locker.execute("ROLLBACK")
+    assert problem is not None and "could not be read within 1 s" in problem
+    assert schema_problem(empty_db) is None
+
+
 def test_a_numbered_file_that_is_not_a_migration_is_refused(tmp_path: Path) -> None:
     # Skipped, it would be a migration silently left out.
     (tmp_path / "migrations").mkdir()

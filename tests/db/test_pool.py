@@ -120,3 +120,71 @@ async def test_runtime_connections_ask_for_tcp_keepalives(fresh_db: Endpoints) -
 def test_a_statement_timeout_below_a_millisecond_is_refused(fresh_db: Endpoints) -> None:
     with pytest.raises(ValueError, match="statement_timeout"):
         Database(fresh_db, statement_timeout=timedelta(0))
+
+
+async def test_connections_idle_a_while_are_checked_before_they_are_handed_out(
+    fresh_db: Endpoints,
+) -> None:
+    """After a server restart (here: every backend of the pool ended by an operator), each
+    idle connection was handed out dead and failed one caller."""
+    db = Database(fresh_db, min_size=4, max_size=4)
+    await db.open()
+    try:
+        barrier = asyncio.Barrier(4)
+
+        async def hold() -> int:
+            async with db.system_conn() as conn:
+                row = await (await conn.execute("SELECT pg_backend_pid() AS pid")).fetchone()
+                await barrier.wait()  # all four connections out at once: each is used
+            assert row is not None
+            return int(row["pid"])
+
+        pids = await asyncio.gather(*(hold() for _ in range(4)))
+        assert len(set(pids)) == 4
+        async with await psycopg.AsyncConnection.connect(fresh_db.admin, autocommit=True) as adm:
+            await adm.execute("SELECT pg_terminate_backend(p) FROM unnest(%s::int[]) AS p", [pids])
+        # Idle "a while" without waiting for it: every idle connection counts as idle long.
+        assert isinstance(db.system_pool, LifoConnectionPool)
+        db.system_pool.idle_check_s = 0.0
+        fresh = [await _pid(db) for _ in range(6)]
+        assert not set(fresh) & set(pids)
+    finally:
+        await db.close()
+
+
+async def test_a_runtime_roles_own_defaults_cannot_stop_writes_row_security_or_durability(
+    fresh_db: Endpoints,
+) -> None:
+    # An ordinary role may ALTER ROLE its own defaults, and every tenant's SQL runs as one
+    # role: read-only transactions, row security off (every tenant's statement fails) or
+    # commits that may be lost would have applied to every connection opened after.
+    with psycopg.connect(fresh_db.admin, autocommit=True) as adm:
+        dbname = adm.info.dbname
+        for role in ("appliance_app", "appliance_system"):
+            for setting in (
+                "default_transaction_read_only = on",
+                "row_security = off",
+                "synchronous_commit = off",
+            ):
+                adm.execute(f'ALTER ROLE {role} IN DATABASE "{dbname}" SET {setting}')
+    db = Database(fresh_db)
+    await db.open()
+    try:
+        await PgTenantStore(db).add("acme")
+        bus = Bus(PgMessageStore(db))
+        done = await bus.enqueue(
+            tenant="acme", pipeline="p", stage="s", source="t", source_id="1", directive="d"
+        )
+        assert done.new and await bus.get("acme", done.id) is not None
+        for conn_of in (db.system_conn(), db.tenant_tx("acme")):
+            async with conn_of as conn:
+                row = await (
+                    await conn.execute(
+                        "SELECT current_setting('synchronous_commit') AS sc,"
+                        " current_setting('row_security') AS rs,"
+                        " current_setting('default_transaction_read_only') AS ro"
+                    )
+                ).fetchone()
+            assert row == {"sc": "on", "rs": "on", "ro": "off"}
+    finally:
+        await db.close()

@@ -20,6 +20,7 @@ from psycopg.rows import dict_row
 from appliance.bus.core import Bus, BusConfig
 from appliance.db.database import Database, Endpoints
 from appliance.db.message_store import complete_params
+from appliance.db.migrate import migrate
 from appliance.db.queries import q
 from appliance.db.runner_store import PgRunnerStore
 from appliance.db.spend_store import PgSpendStore
@@ -1144,6 +1145,39 @@ async def test_expiry_drains_a_backlog_in_one_tick(rstore: PgRunnerStore) -> Non
     await maintenance.expire()
     assert maintenance.expired == 350
     assert await claim(rstore, now=None) == []
+
+
+async def test_runtime_roles_make_no_temporary_objects_and_the_archive_still_runs(
+    rstore: PgRunnerStore, db: Database
+) -> None:
+    """archive_messages (SECURITY DEFINER) keeps rows in a temporary table, which lives in its
+    caller's session: the machinery's role could make one of that name first, with a trigger
+    of its own, and that trigger ran as the owner. Temporary objects are the owner's alone."""
+    migrate(db.endpoints.admin)  # the database's own privileges: a clone starts with defaults
+    bus = Bus(rstore)
+    await bus.enqueue_many([req(bus, "a", stage="c")], now=T0)
+    (m,) = await claim(rstore, now=T0)
+    await rstore.complete([Completion(m.lease)], actor="w", now=T0)
+    refused = (
+        "CREATE TEMP TABLE archive_spill (x integer)",
+        "CREATE FUNCTION pg_temp.f() RETURNS integer LANGUAGE sql AS 'SELECT 1'",
+        # One tenant's SQL (all run as one role) cancelling another's statements.
+        "SELECT pg_cancel_backend(pg_backend_pid())",
+        "SELECT pg_terminate_backend(pg_backend_pid())",
+    )
+    for statement in refused:
+        async with db.system_conn() as conn:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                await conn.execute(statement)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            async with db.tenant_tx("acme") as conn:
+                await conn.execute(statement)
+    assert await rstore.archive(retention=timedelta(0), now=T0 + timedelta(seconds=1)) == 1
+    # Twice on one connection: the owner's temporary table of the first round is reused.
+    await bus.enqueue_many([req(bus, "b", stage="c")], now=T0)
+    (m,) = await claim(rstore, now=T0)
+    await rstore.complete([Completion(m.lease)], actor="w", now=T0)
+    assert await rstore.archive(retention=timedelta(0), now=T0 + timedelta(seconds=1)) == 1
 
 
 async def test_archiving_behind_a_long_reader_of_the_archive_skips_the_round(

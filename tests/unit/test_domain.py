@@ -260,6 +260,12 @@ def test_named_query_parser() -> None:
         parse("-- name: x :one\nSELECT 1;", "t.sql")
     with pytest.raises(ConfigurationError, match="defined twice"):
         parse("-- name: x :one\n-- d\nSELECT 1;\n-- name: x :one\n-- d\nSELECT 2;", "t.sql")
+    # A mistyped header was the query above's comment, and its statement appended to that one.
+    with pytest.raises(ConfigurationError, match=r"'-- name: y: one' is not a query header"):
+        parse("-- name: x :one\n-- d\nSELECT 1;\n-- name: y: one\n-- d\nDELETE FROM t;", "t.sql")
+    # A block comment could hide a `--` (and what follows it) from the compaction.
+    with pytest.raises(ConfigurationError, match=r"query z: .*/\* comment \*/"):
+        parse("-- name: z :one\n-- d\nSELECT /* a -- b */ 1, 2;", "t.sql")
 
 
 def test_every_shipped_query_is_short_enough_for_the_drivers_parse_cache() -> None:
