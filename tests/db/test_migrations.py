@@ -40,6 +40,14 @@ def _applied(conninfo: str) -> list[tuple[int, str]]:
     return [(r[0], r[1]) for r in rows]
 
 
+def _migrated_copy(conninfo: str, tmp_path: Path) -> tuple[Path, list[tuple[int, str]]]:
+    """A copy of sql/ to add migrations to, with the database migrated by it: (copy, applied)."""
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    migrate(conninfo, copy)
+    return copy, _applied(conninfo)
+
+
 def test_migrating_from_empty_equals_schema_snapshot(empty_db: str) -> None:
     report = migrate(empty_db)
     assert report.applied == [m.version for m in discover()]
@@ -186,10 +194,7 @@ def test_a_migration_waiting_for_a_table_in_use_is_rolled_back_and_named(
 ) -> None:
     # A migration that needs a table to itself while a long transaction reads it must fail fast
     # (its queued lock would otherwise stall every statement on the table behind it).
-    copy = tmp_path / "sql"
-    shutil.copytree(sql_dir(), copy)
-    migrate(empty_db, copy)
-    before = _applied(empty_db)
+    copy, before = _migrated_copy(empty_db, tmp_path)
     extra = copy / "migrations" / f"{len(before) + 1:04d}_needs_the_table.sql"
     extra.write_text("ALTER TABLE agent_messages ADD COLUMN scratch integer;\n")
     with psycopg.connect(empty_db) as reader:
@@ -202,10 +207,7 @@ def test_a_migration_waiting_for_a_table_in_use_is_rolled_back_and_named(
 
 
 def test_a_failing_migration_is_rolled_back_whole_and_named(empty_db: str, tmp_path: Path) -> None:
-    copy = tmp_path / "sql"
-    shutil.copytree(sql_dir(), copy)
-    migrate(empty_db, copy)
-    before = _applied(empty_db)
+    copy, before = _migrated_copy(empty_db, tmp_path)
     extra = copy / "migrations" / f"{len(before) + 1:04d}_half_done.sql"
     extra.write_text(
         "CREATE TABLE half_one (x integer);\n"
@@ -233,10 +235,7 @@ def test_a_migration_that_ends_its_own_transaction_is_refused_loudly(
 ) -> None:
     """A COMMIT in a file committed what came before it, ran the rest in autocommit as the
     admin role outside the schema, and the file was recorded as applied."""
-    copy = tmp_path / "sql"
-    shutil.copytree(sql_dir(), copy)
-    migrate(empty_db, copy)
-    before = _applied(empty_db)
+    copy, before = _migrated_copy(empty_db, tmp_path)
     extra = copy / "migrations" / f"{len(before) + 1:04d}_commits.sql"
     extra.write_text(
         "CREATE TABLE first_half (x integer);\nCOMMIT;\nCREATE TABLE rest (y integer);\n"
