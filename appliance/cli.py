@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from appliance import cli_models, cli_spend
-from appliance.bus.core import LIST_MAX
+from appliance.bus.core import ID_MAX, LIST_MAX
 from appliance.db.database import DATABASE_ERRORS, check_server, client_command, error_text
 from appliance.db.migrate import migrate, schema_problem
 from appliance.db.schema_dump import dump_schema
@@ -73,9 +73,6 @@ def _parse_time(field: str, text: str | None) -> datetime | None:
     if moment.tzinfo is None:
         raise InvalidInput(field, f"{text!r} has no time zone (add Z or +00:00)")
     return moment
-
-
-BIGINT_MAX = 2**63 - 1  # the largest message id the database holds (bigint)
 
 
 def message_fields(message: Message) -> dict[str, Any]:
@@ -875,7 +872,7 @@ def build_parser() -> argparse.ArgumentParser:
     redrive = bs.add_parser("redrive", help="send dead messages back to pending")
     redrive.add_argument("--tenant", required=True)
     redrive.add_argument(
-        "ids", nargs="*", type=whole_number(1, BIGINT_MAX), help="message ids (default: all dead)"
+        "ids", nargs="*", type=whole_number(1, ID_MAX), help="message ids (default: all dead)"
     )
     redrive.add_argument(
         "--clear-deadline",
@@ -884,11 +881,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cancel = bs.add_parser("cancel", help="cancel a message in any non-terminal state")
     cancel.add_argument("--tenant", required=True)
-    cancel.add_argument("id", type=whole_number(1, BIGINT_MAX))
+    cancel.add_argument("id", type=whole_number(1, ID_MAX))
     cancel.add_argument("--reason", default="cancelled by operator")
     show = bs.add_parser("show", help="a message and its transition log")
     show.add_argument("--tenant", required=True)
-    show.add_argument("id", type=whole_number(1, BIGINT_MAX))
+    show.add_argument("id", type=whole_number(1, ID_MAX))
     listing = bs.add_parser("list", help="a tenant's messages, newest first (dead ones, say)")
     listing.add_argument("--tenant", required=True)
     listing.add_argument(
@@ -901,7 +898,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--limit", type=whole_number(1, LIST_MAX), default=50)
     listing.add_argument(
         "--before",
-        type=whole_number(1, BIGINT_MAX),
+        type=whole_number(1, ID_MAX),
         help="only ids below this one: the next page, after the last id shown",
     )
     listing.add_argument("--json", action="store_true", help="a JSON array, every field")

@@ -87,6 +87,12 @@ def check_id(field_name: str, value: object) -> int:
     return value
 
 
+def check_limit(limit: object, most: int) -> None:
+    """How many rows a call may return: a whole number from 1 to `most`."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= most:
+        raise InvalidInput("limit", f"{limit!r} is not from 1 to {most}")
+
+
 def check_lease(lease: LeaseRef) -> LeaseRef:
     check_id("message_id", lease.message_id)
     check_id("lease_token", lease.lease_token)
@@ -175,8 +181,7 @@ class Bus:
         """Lease up to `limit` messages of `lanes`, strict by lane: interactive, system, batch,
         whatever order `lanes` names them in (batch work never goes ahead of interactive)."""
         worker = check_free_text("worker", worker, ACTOR_MAX_CHARS)
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= CLAIM_MAX:
-            raise InvalidInput("limit", f"{limit!r} is not from 1 to {CLAIM_MAX}")
+        check_limit(limit, CLAIM_MAX)
         if tenant is not None:
             check_name("tenant", tenant)
         now = check_now(now)
@@ -389,8 +394,7 @@ class Bus:
         the dead work that `redrive` would send back; finished work leaves for the archive."""
         wanted = list(dict.fromkeys(parse_status(s) for s in statuses))
         picked = parse_lane(lane) if lane is not None else None
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= LIST_MAX:
-            raise InvalidInput("limit", f"{limit!r} is not from 1 to {LIST_MAX}")
+        check_limit(limit, LIST_MAX)
         if before is not None:
             check_id("before", before)
         return await self.store.list_messages(

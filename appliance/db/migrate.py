@@ -157,6 +157,13 @@ def _take_lock(conn: psycopg.Connection[dict[str, object]], wait: timedelta) -> 
         time.sleep(0.2)
 
 
+def _lock_timeout(conn: psycopg.Connection[dict[str, object]], wait: timedelta) -> None:
+    """The longest this transaction waits for a lock (SET LOCAL: until it ends)."""
+    conn.execute(
+        "SELECT set_config('lock_timeout', %s, true)", (f"{int(wait.total_seconds() * 1000)}ms",)
+    )
+
+
 def _still_one_transaction(conn: psycopg.Connection[dict[str, object]], m: Migration) -> None:
     """A COMMIT or ROLLBACK in a file ends the transaction it runs in: what came before is
     committed (or undone), and the rest ran in autocommit as the admin role, outside the
@@ -195,10 +202,7 @@ def migrate(
             with conn.transaction():
                 # A table another session holds (a backup's read of schema_migrations) must
                 # not keep this waiting for ever: named, like a migration's own waits.
-                conn.execute(
-                    "SELECT set_config('lock_timeout', %s, true)",
-                    (f"{int(lock_timeout.total_seconds() * 1000)}ms",),
-                )
+                _lock_timeout(conn, lock_timeout)
                 conn.execute(bootstrap)
             rows = conn.execute(
                 "SELECT version, name, checksum FROM appliance.schema_migrations ORDER BY version"
@@ -228,10 +232,7 @@ def migrate(
                     with conn.transaction():
                         conn.execute("SET LOCAL ROLE appliance_owner")
                         conn.execute("SET LOCAL search_path = appliance, pg_catalog")
-                        conn.execute(
-                            "SELECT set_config('lock_timeout', %s, true)",
-                            (f"{int(lock_timeout.total_seconds() * 1000)}ms",),
-                        )
+                        _lock_timeout(conn, lock_timeout)
                         conn.execute(migration.sql)
                         _still_one_transaction(conn, migration)
                         conn.execute(

@@ -93,6 +93,25 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def _start_then_kill_postmaster(cluster: LocalCluster) -> int:
+    """Start the cluster, SIGKILL its postmaster and wait for all its processes to end; its
+    pid."""
+    cluster.start()
+    pid = cluster.status().pid
+    assert pid is not None
+    children = _children(pid)
+    assert children, "a running postmaster has background workers"
+
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    # Children notice their postmaster died and exit on their own; wait so none still holds
+    # the shared memory when the next postmaster starts.
+    while not all(_gone(p) for p in [pid, *children]):
+        assert time.monotonic() < deadline, "postgres processes did not exit after SIGKILL"
+        time.sleep(0.05)
+    return pid
+
+
 def test_start_stop_restart(cluster: LocalCluster) -> None:
     assert not cluster.initialized()
     assert not cluster.status().running
@@ -160,19 +179,7 @@ def test_conf_changes_apply_on_restart(reachable_dir: Path) -> None:
 
 
 def test_recovers_from_killed_postmaster(cluster: LocalCluster) -> None:
-    cluster.start()
-    pid = cluster.status().pid
-    assert pid is not None
-    children = _children(pid)
-    assert children, "a running postmaster has background workers"
-
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 15
-    # Children notice their postmaster died and exit on their own; wait so none still holds
-    # the shared memory when the next postmaster starts.
-    while not all(_gone(p) for p in [pid, *children]):
-        assert time.monotonic() < deadline, "postgres processes did not exit after SIGKILL"
-        time.sleep(0.05)
+    pid = _start_then_kill_postmaster(cluster)
     assert (cluster.data_dir / "postmaster.pid").exists()  # the crash left it behind
     assert not cluster.status().running
 
@@ -679,15 +686,7 @@ def test_a_command_that_outruns_its_timeout_is_ended_with_what_it_started(
 def test_a_crash_restart_never_signals_a_process_that_took_a_stale_pid(
     cluster: LocalCluster,
 ) -> None:
-    cluster.start()
-    pid = cluster.status().pid
-    assert pid is not None
-    children = _children(pid)
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 15
-    while not all(_gone(p) for p in [pid, *children]):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _start_then_kill_postmaster(cluster)
     # The stale postmaster.pid now names a live process of the server's user, not a server.
     runuser = ["runuser", "-u", "postgres", "--"] if IS_ROOT else []
     bystander = subprocess.Popen([*runuser, "sleep", "60"])
